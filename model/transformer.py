@@ -1,0 +1,273 @@
+"""The transformer: parameters, the scanned layer stack under remat, and per-token log-probs on the device mesh.
+
+Public API (``/work/notes/interfaces.md``):
+
+- ``init_params(cfg, seed) -> params``: nested dict of float32 arrays (the master weights); names are the ``/``-joined
+  keys, e.g. ``layers/layer_0/gdn/q_proj`` (stacked: leading dim = number of layer groups).
+- ``build_log_probs(cfg, flags, *, precision, mesh) -> fn(params, tokens[B, S] int32) -> (logp[B, S-1] f32, aux)``,
+  ``logp[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1])``, ``aux = {"dropped_tokens": int32 scalar}``.
+
+Structure: embedding -> ``num_layers`` pre-norm residual blocks (mixer in the pattern gdn, gdn, gdn, attention; each
+followed by a MoE block) -> final RMSNorm -> untied LM head -> ``log_softmax`` in float32.
+
+Scan: the layers are grouped by the pattern period (4): ``params["layers"]["layer_i"]`` holds the i-th layer of every
+group, stacked ``[G, ...]`` (G = num_layers / 4), and one ``jax.lax.scan`` runs over the G groups, the 4 layers of a
+group unrolled in its body (``scan_layers=false``: a Python loop over groups instead). Each layer (mixer + MoE) is one
+``jax.checkpoint`` under the remat policy: ``full`` saves nothing, ``minimal`` saves matmul outputs without batch dims,
+``custom`` saves the names chosen per tensor: ``query_proj`` (``query_proj=device``) and ``query_proj_kernel`` (the
+gathered query kernel, ``query_proj_kernel_gather_once``); everything else is recomputed in the backward.
+
+Mesh: the whole forward is one ``jax.shard_map`` over ``("fsdp", "context", "expert")`` with named collectives (see
+``model/sharding.py`` for the weight layout, ``model/layers.py`` for the sequence layout, ``model/moe.py`` for the
+experts). Batch over ``("fsdp", "expert")``, sequence over ``context``. With load balancing the tokens are permuted into
+the zigzag layout before the ``shard_map`` and the log-probs permuted back after it.
+
+Hoisted per flags, before the scan: the attention ids (``context_parallel_attention_load_balance_hoist_ids``, read by
+every attention layer and its remat replay) and the fp8 codes and scales of every layer's experts
+(``fp8_fake_quant_hoist=gather8``).
+
+Run: ``python -m model.bench`` (one forward + backward of tiny on 8 host devices); tests: ``tests/model/``.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from model import config as config_lib
+from model import ops
+from model import sharding as sh
+from model.layers import (
+    F32,
+    Ctx,
+    Dims,
+    Weights,
+    attention_ids,
+    attention_layer,
+    attention_param_shapes,
+    gdn_layer,
+    gdn_param_shapes,
+    rms_norm,
+    zigzag_order,
+)
+from model.moe import hoist_fp8, moe_block, moe_param_shapes
+
+PRECISIONS = ("production", "reference")
+# check_vma=False: the Pallas kernels' pallas_calls declare their outputs without a manual_axis_type, which
+# check_vma=True refuses. Without the varying-axes types, shard_map's transpose sums each input's cotangent over the
+# mesh axes its spec does not mention (context / expert for the weights): exactly the gradient of the replicated
+# weights; every collective used here (all_gather, psum_scatter, ppermute) transposes to its exact adjoint.
+CHECK_VMA = False
+PATTERN = ("gdn", "gdn", "gdn", "attention")
+_LAYER_SHAPES = {"gdn": gdn_param_shapes, "attention": attention_param_shapes}
+
+
+def _check_pattern(cfg) -> int:
+    pattern = tuple(cfg.layer_pattern)
+    if pattern != PATTERN:
+        raise NotImplementedError(f"layer_pattern={pattern} is not supported; only {PATTERN}")
+    if cfg.num_layers % len(PATTERN):
+        raise NotImplementedError(
+            f"num_layers={cfg.num_layers} must be a multiple of the pattern length {len(PATTERN)}"
+        )
+    return cfg.num_layers // len(PATTERN)
+
+
+def param_shapes(cfg) -> dict:
+    """Nested dict of parameter shapes (tuples)."""
+    groups = _check_pattern(cfg)
+    d = Dims.from_config(cfg)
+    layers = {}
+    for i, kind in enumerate(PATTERN):
+        layer = {kind: _LAYER_SHAPES[kind](d), "moe": moe_param_shapes(d)}
+        layers[f"layer_{i}"] = jax.tree_util.tree_map(
+            lambda s: (groups, *s), layer, is_leaf=lambda x: isinstance(x, tuple)
+        )
+    return {
+        "embed": {"embedding": (d.vocab, d.d_model)},
+        "layers": layers,
+        "final_norm": {"scale": (d.d_model,)},
+        "lm_head": {"kernel": (d.d_model, d.vocab)},
+    }
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator, std: float) -> np.ndarray:
+    leaf = name.rsplit("/", 1)[-1]
+    if leaf in ("norm", "scale", "q_norm", "k_norm", "out_norm"):
+        return np.ones(shape, np.float32)
+    if leaf == "A_log":  # decay rates A in [1, 16]
+        return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+    if leaf == "dt_bias":  # softplus(dt_bias) = dt in [1e-3, 1e-1], log-uniform
+        dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), shape))
+        return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+    if leaf == "conv":
+        return (rng.standard_normal(shape) / np.sqrt(shape[-2])).astype(np.float32)
+    return (rng.standard_normal(shape) * std).astype(np.float32)
+
+
+def init_params(cfg, seed: int) -> dict:
+    """Float32 master parameters; each tensor from its own numpy generator seeded by ``crc32(f"{seed}/{name}")``."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise ValueError(f"seed={seed!r} must be an int")
+    shapes = param_shapes(cfg)
+
+    def make(path, shape):
+        name = "/".join(k.key for k in path)
+        rng = np.random.default_rng(zlib.crc32(f"{int(seed)}/{name}".encode()))
+        return jnp.asarray(_init_tensor(name, shape, rng, float(cfg.init_scale)))
+
+    return jax.tree_util.tree_map_with_path(make, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _remat_policy(flags):
+    cp = jax.checkpoint_policies
+    if flags.remat_policy == "full":
+        return cp.nothing_saveable
+    if flags.remat_policy == "minimal":
+        return cp.dots_with_no_batch_dims_saveable
+    if flags.remat_policy == "custom":
+        names = []
+        if flags.query_proj == "device":
+            names.append("query_proj")
+        if flags.query_proj_kernel_gather_once:
+            names.append("query_proj_kernel")
+        return cp.save_only_these_names(*names)
+    raise ValueError(f"remat_policy={flags.remat_policy!r} must be 'full', 'minimal' or 'custom'")
+
+
+def _local_gather_dims(spec_tree) -> dict:
+    """Per layer tensor: the fsdp dim of the per-layer (stack dim dropped) local shard."""
+
+    def dim(spec):
+        d = sh.gather_dim(spec)
+        return None if d is None else d - 1
+
+    return jax.tree_util.tree_map(dim, spec_tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def build_log_probs(cfg, flags, *, precision: str, mesh):
+    """``fn(params, tokens) -> (logp [B, S-1] f32, {"dropped_tokens": int32})`` on ``mesh``; jittable, differentiable.
+
+    ``precision="production"``: bf16 compute from the f32 master weights, f32 accumulation, the kernels the flags
+    select; ``"reference"``: float32 everywhere through the ``reference/`` ops (same layout and collectives).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
+    config_lib.validate(cfg, flags)
+    sizes = sh.axis_sizes(mesh)
+    for axis in sh.AXES:
+        key = f"ici_{axis}_parallelism"
+        if getattr(flags, key) != sizes[axis]:
+            raise ValueError(f"{key}={getattr(flags, key)} but the mesh's {axis} axis has {sizes[axis]} devices "
+                             f"(mesh.shape={dict(mesh.shape)}); build the mesh with model.sharding.make_mesh(flags)")
+    groups = _check_pattern(cfg)
+    dims = Dims.from_config(cfg)
+    lb = bool(flags.context_parallel_attention_load_balance) and sizes["context"] > 1
+    ctx = Ctx(
+        dims=dims, flags=flags, precision=precision, fsdp=sizes["fsdp"], context=sizes["context"],
+        expert=sizes["expert"], seq_len=cfg.seq_len, load_balance=lb,
+        interpret=mesh.devices.flat[0].platform == "cpu",
+    )
+    shapes = param_shapes(cfg)
+    shape_structs = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s, F32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    specs = sh.param_specs(shape_structs, mesh)
+    gdims = _local_gather_dims(specs["layers"])
+    policy = _remat_policy(flags)
+    hoist_ids = bool(flags.context_parallel_attention_load_balance_hoist_ids)
+    gather8 = bool(flags.fp8_moe_fake_quant) and flags.fp8_fake_quant_hoist == "gather8"
+    batch_ranks = sizes["fsdp"] * sizes["expert"]
+    seq_multiple = sizes["context"] * (2 if lb else 1)
+
+    def layer(kind, i, x, lp, hoisted, ids):
+        gd = gdims[f"layer_{i}"]
+        Wx = Weights(ctx, lp[kind], gd[kind])
+        h = rms_norm(x, Wx("norm", F32), dims.norm_eps, ctx.cdt)
+        mix = gdn_layer(ctx, Wx, h) if kind == "gdn" else attention_layer(ctx, Wx, h, ids)
+        x = x + mix
+        Wm = Weights(ctx, lp["moe"], gd["moe"])
+        h = rms_norm(x, Wm("norm", F32), dims.norm_eps, ctx.cdt)
+        hoisted_wi, hoisted_wo = (None, None) if hoisted is None else (hoisted["wi"], hoisted["wo"])
+        y, dropped = moe_block(ctx, Wm, h, hoisted_wi, hoisted_wo)
+        return x + y, dropped
+
+    layer_fns = [
+        jax.checkpoint(functools.partial(layer, kind, i), policy=policy, prevent_cse=not flags.scan_layers)
+        for i, kind in enumerate(PATTERN)
+    ]
+
+    def local_forward(params, tokens, targets):
+        """Per device: ``tokens, targets [B_local, S_local]`` -> ``(logp [B_local, S_local], dropped)``."""
+        table = Weights(ctx, params["embed"], {"embedding": sh.gather_dim(specs["embed"]["embedding"])})("embedding")
+        x = jnp.take(table, tokens, axis=0)  # [B_l, S_l, D]
+        ids = attention_ids(ctx, hoisted=True) if hoist_ids else None
+        hoisted = None
+        if gather8:
+            hoisted = {
+                f"layer_{i}": {
+                    name: hoist_fp8(ctx, params["layers"][f"layer_{i}"]["moe"][name], axis=2) for name in ("wi", "wo")
+                }
+                for i in range(len(PATTERN))
+            }
+
+        def group(x, xs):
+            gp, hg = xs
+            dropped = jnp.int32(0)
+            for i in range(len(PATTERN)):
+                x, dr = layer_fns[i](x, gp[f"layer_{i}"], None if hg is None else hg[f"layer_{i}"], ids)
+                dropped = dropped + dr
+            return x, dropped
+
+        if flags.scan_layers:
+            x, dropped = jax.lax.scan(group, x, (params["layers"], hoisted))
+            dropped = jnp.sum(dropped)
+        else:
+            dropped = jnp.int32(0)
+            for gi in range(groups):
+                take = functools.partial(jax.tree_util.tree_map, lambda a, gi=gi: a[gi])
+                x, dr = group(x, (take(params["layers"]), None if hoisted is None else take(hoisted)))
+                dropped = dropped + dr
+        h = rms_norm(x, Weights(ctx, params["final_norm"], {"scale": sh.gather_dim(specs["final_norm"]["scale"])})(
+            "scale", F32), dims.norm_eps, ctx.cdt)
+        w_head = Weights(ctx, params["lm_head"], {"kernel": sh.gather_dim(specs["lm_head"]["kernel"])})("kernel")
+        logits = ctx.dot("BSD,DV->BSV", h, w_head, out_dtype=F32)  # [B_l, S_l, V]
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]  # [B_l, S_l]
+        dropped = jax.lax.psum(dropped, ("fsdp", "context"))
+        return logp, dropped
+
+    tok_spec = P(sh.BATCH_AXES, "context")
+    sharded = jax.shard_map(
+        local_forward, mesh=mesh, in_specs=(specs, tok_spec, tok_spec), out_specs=(tok_spec, P()), check_vma=CHECK_VMA
+    )
+
+    def log_probs(params, tokens):
+        ops.reset()
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens.shape={tokens.shape} must be [B, S]")
+        b, s = tokens.shape
+        if s != cfg.seq_len:
+            raise ValueError(f"tokens.shape={tokens.shape}: S={s} must equal seq_len={cfg.seq_len} of config")
+        if b % batch_ranks:
+            raise ValueError(f"tokens.shape={tokens.shape}: B={b} must be divisible by fsdp x expert = {batch_ranks}")
+        if s % seq_multiple:
+            raise ValueError(f"tokens.shape={tokens.shape}: S={s} must be divisible by {seq_multiple} (context ranks)")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens.dtype={tokens.dtype} must be an integer dtype")
+        tokens = tokens.astype(jnp.int32)
+        targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)  # [B, S]; last is a dummy
+        if lb:
+            order = jnp.asarray(zigzag_order(s, sizes["context"]), jnp.int32)
+            tokens, targets = tokens[:, order], targets[:, order]  # natural -> zigzag layout
+        logp, dropped = sharded(params, tokens, targets)
+        if lb:
+            logp = logp[:, jnp.argsort(order)]  # zigzag -> natural
+        return logp[:, : s - 1], {"dropped_tokens": dropped}
+
+    return log_probs
