@@ -1,1 +1,37 @@
-"""The numerics gates: the three-step RL protocol, run records, the six gates, flag contracts, tolerance reports, CLI."""
+"""The numerics gates: the three-step RL protocol, run records, the six gates, flag contracts, tolerance reports, CLI.
+
+Public API (importing ``gates`` does not import jax, so ``python -m gates`` can set XLA flags first):
+
+    import gates
+    report = gates.check(config="tiny", flags={"moe_wi_gmm_fused_swiglu": True})
+    report.passed                      # bool
+    print(report.table())              # per check: gate, step, vs control, vs reference, bounds, verdict
+    report.write("reports")            # reports/gates.json + reports/gates.md (atomic)
+
+``gates.check(config, flags=None)`` with ``flags=None`` checks every registered flag alone and the tuned combination.
+Bad input (unknown config or flag, malformed value, refused combination) raises a ``ValueError`` subclass
+(``model.config.ConfigError`` or ``gates.runner.BadInput``) naming the key and its value, before anything runs.
+"""
+
+from __future__ import annotations
+
+__all__ = ["check", "BadInput", "Report"]
+
+
+def check(config: str = "tiny", flags=None, **kwargs):
+    """See ``gates.runner.check``."""
+    from gates.runner import check as _check
+
+    return _check(config, flags, **kwargs)
+
+
+def __getattr__(name):
+    if name == "BadInput":
+        from gates.runner import BadInput
+
+        return BadInput
+    if name == "Report":
+        from gates.report import Report
+
+        return Report
+    raise AttributeError(f"module 'gates' has no attribute {name!r}")

@@ -6,7 +6,7 @@ with its reason and source) and the verdict (PASS when finite and ``rel_l2 <= to
 modules of ``gates/kernel_cases`` (see its ``__init__``). Prints a table and writes ``<out>/kernels.json`` and
 ``<out>/kernels.md`` atomically.
 
-Run: ``python -m gates.kernel_report [--case tiny|cell] [--op moe|gdn|fp8 ...] [--out reports/]``
+Run: ``python -m gates.kernel_report [--case tiny|medium|cell] [--op moe|gdn|fp8 ...] [--out reports/]``
 (also ``python -m gates kernels``). Exit 0: every row passes; 1: a row is out of tolerance (or has no tolerance
 entry, or is not finite); 2: bad arguments, with a message naming the argument.
 """
@@ -36,7 +36,7 @@ from gates.kernel_cases import OPS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DEFAULT_TOLERANCES = REPO / "fixtures" / "tolerances.toml"
-CASE_NAMES = ("tiny", "cell")
+CASE_NAMES = ("tiny", "medium", "cell")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +157,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m gates.kernel_report",
         description="Per-kernel tolerance report: Pallas kernels and XLA baselines against the float32 references.",
     )
-    p.add_argument("--case", default="tiny", choices=CASE_NAMES, help="shapes: tiny (seconds on CPU) or cell")
+    p.add_argument(
+        "--case",
+        default="tiny",
+        choices=CASE_NAMES,
+        help="shapes: tiny (default, CPU), medium (gdn only: context 4, T=1000), cell (the trainer's shapes)",
+    )
     p.add_argument("--op", action="append", choices=sorted(OPS), help="op to report (repeatable; default: all)")
     p.add_argument("--out", default="reports", help="output folder for kernels.json / kernels.md (default reports/)")
     p.add_argument("--kernel", action="append", help="only these kernels (repeatable; ops whose rows take kernels=)")
