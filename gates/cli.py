@@ -1,0 +1,187 @@
+"""The gates command line: ``python -m gates [command] [options]`` (entry: ``gates/__main__.py``, which sets XLA flags).
+
+Commands:
+    run (default)   python -m gates [--config tiny] [--flags k=v ...] [--json] [--out reports]
+                    no --flags: every registered flag alone + the tuned combination; exit 0 pass, 1 a gate fails,
+                    2 bad input (unknown config or flag, malformed value, refused combination) with the message.
+    kernels         python -m gates kernels [--case tiny|cell] [--op moe|gdn|fp8] ...  (gates.kernel_report.main)
+    calibrate       python -m gates calibrate [--config tiny]: control-vs-reference distances and a benign
+                    reassociation, the measurements behind fixtures/tolerances.toml [gates.*]
+    list-flags      python -m gates list-flags [--config tiny]: every tuning flag, its contract, control and tuned value
+    golden          python -m gates golden [--config tiny]: rebuild fixtures/golden/<config>.json from a fresh control
+    mutants         python -m gates mutants [--config tiny] [--only NAME ...]: deliberately wrong variants must fail
+                    exactly their predicted gates (exit 0 when every one does)
+Global: --accelerator (use the default jax backend instead of 8 host CPU devices; read in gates/__main__.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants")
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_flag_items(items: list[str] | None) -> dict[str, str] | None:
+    """["k=v", ...] -> {k: v} (strings: model.config.parse_flags types them); a malformed item raises BadInput."""
+    from gates.runner import BadInput
+
+    if items is None:
+        return None
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise BadInput(f"--flags item {item!r} is malformed: expected key=value "
+                           "(e.g. moe_wi_gmm_fused_swiglu=true)")
+        if key in out and out[key] != value:
+            raise BadInput(f"--flags gives {key} twice: {key}={out[key]} and {key}={value}")
+        out[key] = value
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gates", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command")
+
+    def common(sp, *, out=True):
+        sp.add_argument("--config", default="tiny", help="config name (fixtures/configs/<name>.toml); default tiny")
+        sp.add_argument("--json", action="store_true", help="print the JSON report on stdout instead of the table")
+        sp.add_argument("--accelerator", action="store_true", help="use the default jax backend (set before jax loads)")
+        sp.add_argument("--cache-dir", default=None, help="record cache (default $NXGATES_CACHE or .cache/gates)")
+        if out:
+            sp.add_argument("--out", default="reports", help="report folder (default reports/)")
+
+    run = sub.add_parser("run", help="run the gates (default)")
+    common(run)
+    run.add_argument("--flags", nargs="+", action="extend", metavar="K=V", help="check these flags (one check)")
+    run.add_argument("--tiles", choices=("each", "grouped"), default="each",
+                     help="without --flags: check each tuned tile key alone (default) or grouped by contract")
+    run.add_argument("--no-cache", action="store_true", help="recompute control and reference")
+    run.add_argument("--tolerances", default=None, help="tolerance table (default fixtures/tolerances.toml)")
+    run.add_argument("--golden-dir", default=None, help="golden records (default fixtures/golden)")
+    cal = sub.add_parser("calibrate", help="measure the distances behind the tolerances")
+    common(cal)
+    cal.add_argument("--benign", nargs="+", action="extend", metavar="K=V",
+                     help="the benign reassociation (default: the first k-tile key halved)")
+    cal.add_argument("--no-repeat", action="store_true", help="skip the second control run (reproducibility check)")
+    lf = sub.add_parser("list-flags", help="tuning flags, contracts, control and tuned values")
+    lf.add_argument("--config", default="tiny")
+    lf.add_argument("--json", action="store_true")
+    lf.add_argument("--accelerator", action="store_true")
+    gd = sub.add_parser("golden", help="rebuild fixtures/golden/<config>.json from a fresh control run")
+    gd.add_argument("--config", default="tiny")
+    gd.add_argument("--accelerator", action="store_true")
+    gd.add_argument("--golden-dir", default=None)
+    mu = sub.add_parser("mutants", help="deliberately wrong variants must fail exactly their predicted gates")
+    common(mu)
+    mu.add_argument("--only", nargs="+", action="extend", metavar="NAME", help="run only these mutants")
+    sub.add_parser("kernels", help="per-kernel tolerance report (gates.kernel_report)", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None, *, api=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["run", *argv]
+    if argv[0] == "kernels":
+        rest = [a for a in argv[1:] if a != "--accelerator"]
+        try:
+            from gates import kernel_report
+        except ImportError as e:
+            print(f"error: gates.kernel_report is not available ({e})", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        return int(kernel_report.main(rest))
+    args = _parser().parse_args(argv)  # argparse exits 2 with a message naming the argument
+    from gates.runner import BadInput, default_model_api
+
+    try:
+        api = api or default_model_api()
+    except ImportError as e:
+        print(f"error: the model package is not importable: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    bad = (BadInput, api.config_error)
+    try:
+        if args.command == "run":
+            return _run(args, api)
+        if args.command == "calibrate":
+            from gates import calibrate
+
+            return calibrate.main(args, api)
+        if args.command == "list-flags":
+            return _list_flags(args, api)
+        if args.command == "golden":
+            return _golden(args, api)
+        if args.command == "mutants":
+            from gates import mutants
+
+            return mutants.main(args, api)
+    except bad as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    raise AssertionError(f"unhandled command {args.command!r}")
+
+
+def _run(args, api) -> int:
+    from gates import runner
+
+    flags = parse_flag_items(args.flags)
+    t0 = time.perf_counter()
+    report = runner.check(args.config, flags, api=api, tiles=args.tiles, cache_dir=args.cache_dir,
+                          use_cache=not args.no_cache, tolerances_path=args.tolerances, golden_dir=args.golden_dir,
+                          progress=_progress, on_check=lambda partial: partial.write(args.out))
+    json_path, md_path = report.write(args.out)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2, default=str))
+    else:
+        print(report.table())
+    _progress(f"wrote {json_path} and {md_path} ({time.perf_counter() - t0:.1f}s)")
+    return EXIT_PASS if report.passed else EXIT_FAIL
+
+
+def _list_flags(args, api) -> int:
+    from tabulate import tabulate
+
+    from gates import contracts
+
+    cfg = api.load_config(args.config)
+    base = api.as_dict(api.base_flags(cfg))
+    tuned = api.tuned(cfg)
+    rows = []
+    for key in base:
+        if not contracts.is_tuning_key(key):
+            continue
+        doc = contracts.REGISTRY[key].doc if key in contracts.REGISTRY else "GMM tile"
+        rows.append({"flag": key, "contract": contracts.contract_of(key), "control": base[key],
+                     "tuned": tuned.get(key, "-"), "what": doc})
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+    else:
+        print(f"tuning flags of config {args.config!r} (the check of a flag also turns on the prerequisite "
+              "tuning flags the model's rules name)")
+        print(tabulate(rows, headers="keys", tablefmt="simple", disable_numparse=True))
+    return EXIT_PASS
+
+
+def _golden(args, api) -> int:
+    from gates import golden, runner
+
+    r = runner.Runner(args.config, api=api, use_cache=False, progress=_progress)
+    rec = r.compute(r.base_flags, "production", "control (golden)")
+    try:
+        path = golden.write_golden(args.config, rec, args.golden_dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    print(f"wrote {path}: loss {[float(s.loss) for s in rec.steps]}, grad norms "
+          f"{[float(s.grad_norm) for s in rec.steps]}")
+    return EXIT_PASS

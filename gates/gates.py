@@ -1,0 +1,266 @@
+"""The six gates N1..N6 (DESIGN.md, "The six gates") and the tolerance table they read.
+
+Every gate compares two run records at each step with a float64 metric (``gates.diff.rel_l2`` and friends):
+
+| gate | metric per step |
+| N1 | ``|L_a - L_b| / |L_b|`` (loss) |
+| N2 | ``rel_l2`` of the per-token log-probs over the completion mask |
+| N3 | ``|norm(g_a) - norm(g_b)| / norm(g_b)`` (gradient global norm, float64 from the recorded gradient) |
+| N4 | ``rel_l2`` of the whole flattened gradient |
+| N5 | max over parameter tensors of the tensor's gradient ``rel_l2`` (the worst tensor is named) |
+| N6 | ``rel_l2`` of the parameter change since step 0 |
+
+A gate passes at a step when
+- against the control: ``m(candidate, control) <= tol`` (``exact`` contract: the arrays it reads are bit-identical);
+- against the reference pair: ``m(candidate, reference) <= max(tol, (1 + slack) * m(control, reference))``.
+Preconditions (every value finite in all three records, no dropped token) fail every gate when violated.
+Tolerances come from ``fixtures/tolerances.toml`` ``[gates.*]``; nothing relaxes them at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import tomllib
+from collections.abc import Mapping
+
+import numpy as np
+
+from gates.diff import as_f64
+from gates.record import RunRecord
+
+GATES = ("N1", "N2", "N3", "N4", "N5", "N6")
+GATE_NAMES = {
+    "N1": "loss",
+    "N2": "log-probs",
+    "N3": "gradient norm",
+    "N4": "gradient",
+    "N5": "worst tensor",
+    "N6": "update",
+}
+CONTRACTS = ("exact", "rounding")
+DEFAULT_TOLERANCES = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "tolerances.toml"
+
+
+# ----------------------------------------------------------------------------------------------------------- tolerances
+@dataclasses.dataclass(frozen=True)
+class Tolerances:
+    """tol[gate] (the rounding bound against the control, the floor of the reference bound) and slack."""
+
+    tol: Mapping[str, float]
+    slack: float
+    golden_rel: float
+    reasons: Mapping[str, str]
+    sources: Mapping[str, str]
+    path: str
+
+
+def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES) -> Tolerances:
+    """Read ``[gates.N1]`` .. ``[gates.N6]``, ``[gates.slack]``, ``[gates.golden]``; each needs reason and source."""
+    path = pathlib.Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ValueError(f"tolerances: path={str(path)!r} does not exist") from e
+    section = doc.get("gates")
+    if not isinstance(section, dict):
+        raise ValueError(f"tolerances: {path} has no [gates] section")
+    tol, reasons, sources = {}, {}, {}
+    for key in (*GATES, "slack", "golden"):
+        entry = section.get(key)
+        if not isinstance(entry, dict):
+            raise ValueError(f"tolerances: [gates.{key}] missing in {path}")
+        value_key = {"slack": "slack", "golden": "rel"}.get(key, "rel")
+        for field in (value_key, "reason", "source"):
+            if field not in entry:
+                raise ValueError(f"tolerances: [gates.{key}] needs {field!r} (got keys {sorted(entry)})")
+        value = entry[value_key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0) or math.isinf(value):
+            raise ValueError(f"tolerances: [gates.{key}] {value_key}={value!r} must be a finite number >= 0")
+        tol[key] = float(value)
+        reasons[key], sources[key] = str(entry["reason"]), str(entry["source"])
+    return Tolerances(
+        tol={g: tol[g] for g in GATES}, slack=tol["slack"], golden_rel=tol["golden"], reasons=reasons,
+        sources=sources, path=str(path),
+    )
+
+
+# ------------------------------------------------------------------------------------------------------- metrics
+def _norm2(arrays) -> float:
+    return float(sum(float(np.sum(as_f64(a) ** 2)) for a in arrays))
+
+
+def _rel(num2: float, den2: float) -> float:
+    if den2 == 0.0:
+        return 0.0 if num2 == 0.0 else math.inf
+    return math.sqrt(num2) / math.sqrt(den2)
+
+
+def _finite_or_inf(x: float) -> float:
+    return x if math.isfinite(x) else math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    value: float
+    worst_tensor: str | None = None  # N5: the tensor with the largest rel L2
+
+
+def metric(gate: str, a: RunRecord, b: RunRecord, step: int) -> Metric:
+    """m_gate(a, b) at ``step`` (0-based), float64; non-finite inputs give inf."""
+    sa, sb = a.steps[step], b.steps[step]
+    if gate == "N1":
+        la, lb = float(as_f64(sa.loss)), float(as_f64(sb.loss))
+        if lb == 0.0:
+            return Metric(0.0 if la == 0.0 else math.inf)
+        return Metric(_finite_or_inf(abs(la - lb) / abs(lb)))
+    if gate == "N2":
+        m = np.asarray(a.mask) > 0
+        x, y = as_f64(sa.logp)[m], as_f64(sb.logp)[m]
+        return Metric(_finite_or_inf(_rel(float(np.sum((x - y) ** 2)), float(np.sum(y**2)))))
+    names = sorted(sb.grads)
+    if gate == "N3":
+        na, nb = math.sqrt(_norm2(sa.grads[n] for n in names)), math.sqrt(_norm2(sb.grads[n] for n in names))
+        if nb == 0.0:
+            return Metric(0.0 if na == 0.0 else math.inf)
+        return Metric(_finite_or_inf(abs(na - nb) / nb))
+    if gate == "N4":
+        num = _norm2(as_f64(sa.grads[n]) - as_f64(sb.grads[n]) for n in names)
+        return Metric(_finite_or_inf(_rel(num, _norm2(sb.grads[n] for n in names))))
+    if gate == "N5":
+        worst, worst_name = -1.0, None
+        for n in names:
+            ga, gb = as_f64(sa.grads[n]), as_f64(sb.grads[n])
+            r = _finite_or_inf(_rel(float(np.sum((ga - gb) ** 2)), float(np.sum(gb**2))))
+            if r > worst:
+                worst, worst_name = r, n
+        return Metric(max(worst, 0.0), worst_name)
+    if gate == "N6":
+        da = [as_f64(sa.params[n]) - as_f64(a.params0[n]) for n in names]
+        db = [as_f64(sb.params[n]) - as_f64(b.params0[n]) for n in names]
+        return Metric(_finite_or_inf(_rel(_norm2(x - y for x, y in zip(da, db, strict=True)), _norm2(db))))
+    raise ValueError(f"metric: gate={gate!r} is not one of {GATES}")
+
+
+def _bits_equal(x, y) -> bool:
+    x, y = np.asarray(x), np.asarray(y)
+    return x.shape == y.shape and x.dtype == y.dtype and x.tobytes() == y.tobytes()
+
+
+def bit_identical(gate: str, a: RunRecord, b: RunRecord, step: int) -> bool:
+    """Whether every array gate ``gate`` reads at ``step`` is bit-identical between ``a`` and ``b``."""
+    sa, sb = a.steps[step], b.steps[step]
+    if gate == "N1":
+        return _bits_equal(sa.loss, sb.loss)
+    if gate == "N2":
+        return _bits_equal(sa.logp, sb.logp)
+    if gate == "N3":
+        return _bits_equal(sa.grad_norm, sb.grad_norm) and all(_bits_equal(sa.grads[n], sb.grads[n]) for n in sb.grads)
+    if gate in ("N4", "N5"):
+        return set(sa.grads) == set(sb.grads) and all(_bits_equal(sa.grads[n], sb.grads[n]) for n in sb.grads)
+    if gate == "N6":
+        return set(sa.params) == set(sb.params) and all(_bits_equal(sa.params[n], sb.params[n]) for n in sb.params)
+    raise ValueError(f"bit_identical: gate={gate!r} is not one of {GATES}")
+
+
+# -------------------------------------------------------------------------------------------------------- preconditions
+def preconditions(records: Mapping[str, RunRecord]) -> list[str]:
+    """Violations (empty when fine): a non-finite value anywhere, a dropped token, records that do not line up."""
+    problems = []
+    for label, rec in records.items():
+        for i, s in enumerate(rec.steps):
+            bad = []
+            if not np.all(np.isfinite(as_f64(s.loss))):
+                bad.append("loss")
+            if not np.all(np.isfinite(as_f64(s.grad_norm))):
+                bad.append("grad_norm")
+            if not np.all(np.isfinite(as_f64(s.logp))):
+                bad.append("logp")
+            bad += [f"grads/{n}" for n, g in s.grads.items() if not np.all(np.isfinite(as_f64(g)))]
+            bad += [f"params/{n}" for n, p in s.params.items() if not np.all(np.isfinite(as_f64(p)))]
+            if bad:
+                more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+                problems.append(f"{label} step {i + 1}: non-finite {', '.join(bad[:3])}{more}")
+            if s.dropped_tokens != 0:
+                problems.append(f"{label} step {i + 1}: {s.dropped_tokens} dropped tokens")
+    recs = list(records.items())
+    (l0, r0) = recs[0]
+    for label, rec in recs[1:]:
+        if rec.num_steps != r0.num_steps:
+            problems.append(f"{label} has {rec.num_steps} steps, {l0} has {r0.num_steps}")
+        if set(rec.params0) != set(r0.params0):
+            problems.append(f"{label} and {l0} have different parameter tensors")
+        elif not all(_bits_equal(rec.params0[n], r0.params0[n]) for n in r0.params0):
+            problems.append(f"{label} and {l0} start from different initial parameters")
+        if not _bits_equal(rec.mask, r0.mask):
+            problems.append(f"{label} and {l0} use different completion masks")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------------------- gates
+@dataclasses.dataclass(frozen=True)
+class GateResult:
+    """One gate at one step (1-based ``step``)."""
+
+    gate: str
+    step: int
+    vs_control: float
+    vs_reference: float
+    control_vs_reference: float
+    bound_control: float
+    bound_reference: float
+    bit_identical: bool | None  # exact contract only
+    passed_control: bool
+    passed_reference: bool
+    worst_tensor: str | None
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.passed_control and self.passed_reference
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["passed"] = self.passed
+        return d
+
+
+def evaluate(
+    candidate: RunRecord, control: RunRecord, reference: RunRecord, contract: str, tolerances: Tolerances
+) -> tuple[list[GateResult], list[str]]:
+    """Every gate at every step; returns (results, precondition violations). A violation fails every result."""
+    if contract not in CONTRACTS:
+        raise ValueError(f"evaluate: contract={contract!r} must be one of {CONTRACTS}")
+    problems = preconditions({"candidate": candidate, "control": control, "reference": reference})
+    shape_ok = not any(("steps" in p or "parameter tensors" in p or "masks" in p) for p in problems)
+    results = []
+    for i in range(control.num_steps):
+        for gate in GATES:
+            tol = tolerances.tol[gate]
+            if not shape_ok:
+                results.append(GateResult(gate, i + 1, math.inf, math.inf, math.inf, tol, tol, None, False, False, None,
+                                          "records do not line up"))
+                continue
+            vc = metric(gate, candidate, control, i)
+            vr = metric(gate, candidate, reference, i).value
+            cr = metric(gate, control, reference, i).value
+            bound_ref = max(tol, (1.0 + tolerances.slack) * cr)
+            ident = None
+            if contract == "exact":
+                ident = bit_identical(gate, candidate, control, i)
+                ok_c = ident and vc.value == 0.0
+                bound_c = 0.0
+            else:
+                ok_c = vc.value <= tol
+                bound_c = tol
+            ok_r = vr <= bound_ref
+            note = ""
+            if problems:
+                ok_c = ok_r = False
+                note = "precondition failed"
+            elif contract == "exact" and not ident:
+                note = "not bit-identical"
+            results.append(GateResult(gate, i + 1, vc.value, vr, cr, bound_c, bound_ref, ident, bool(ok_c), bool(ok_r),
+                                      vc.worst_tensor, note))
+    return results, problems

@@ -1,0 +1,245 @@
+"""The three-step RL protocol with random advantages (DESIGN.md, "The protocol").
+
+One run = the same seeded batch (tokens, completion mask, one advantage per sequence) fed to three optimizer steps
+of the GRPO policy loss, on-policy (``old = stop_gradient(logp)``, so the ratio is exactly 1), token-mean over the
+completion mask, KL weight 0, ratio clipping off (available through ``ProtocolSettings.ratio_clip``), AdamW with
+global-norm gradient clipping (optax). The loss value then depends only on the advantages and the mask; the gradient
+carries the kernels' numerics. ``run_protocol`` returns a ``gates.record.RunRecord`` with every step's loss, per-token
+log-probs, gradient, its global norm and the parameters after the update.
+
+The model is reached through a ``ModelAPI`` (the functions of ``model.config`` / ``model.transformer`` /
+``model.sharding`` / ``model.ops``), so the same runner drives the real model and the toy model of the unit tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+
+from gates import record as record_lib
+
+# The ratio's log is clipped to [-20, 20] before exp, as the trainer does, so a wild log-prob cannot overflow.
+LOG_RATIO_CLIP = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ProtocolSettings:
+    """Everything about a run that is not the model: steps, optimizer, loss options.
+
+    Defaults: 3 steps (the gates compare every one); AdamW at an RL-scale learning rate, 1e-5 (RL recipes use ~1e-6):
+    AdamW's first steps move every parameter by about lr whatever the gradient's scale, so the update (N6) is visible,
+    while the three steps stay where rounding differences are not amplified by the training dynamics (measured on tiny
+    at lr 1e-3: a benign k-tile reassociation's gradient distance grew from 2e-2 at step 1 to 0.25 at step 3, which
+    would have forced useless tolerances); weight decay 0.1, betas (0.9, 0.95), eps 1e-8; the gradient clipped to
+    global norm 1.0; no ratio clipping ("loss gates off"); KL weight 0 (anything else is refused).
+    """
+
+    steps: int = 3
+    learning_rate: float = 1e-5
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+    ratio_clip: float | None = None
+    kl_weight: float = 0.0
+
+    def __post_init__(self):
+        if not (isinstance(self.steps, int) and self.steps >= 1):
+            raise ValueError(f"ProtocolSettings: steps={self.steps!r} must be an int >= 1")
+        if self.kl_weight != 0.0:
+            raise NotImplementedError(f"ProtocolSettings: kl_weight={self.kl_weight!r}: only 0 is supported")
+        if self.ratio_clip is not None and not (0.0 < float(self.ratio_clip) < 1.0):
+            raise ValueError(f"ProtocolSettings: ratio_clip={self.ratio_clip!r} must be None or in (0, 1)")
+        if not self.max_grad_norm > 0.0:
+            raise ValueError(f"ProtocolSettings: max_grad_norm={self.max_grad_norm!r} must be > 0")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+DEFAULT_SETTINGS = ProtocolSettings()
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """The RL batch, the same every step.
+
+    tokens: [B, S] int32; completion_mask: [B, S-1] float32 (1 where logp[:, t] scores a completion token t+1);
+    advantages: [B] float32 (bf16-representable values).
+    """
+
+    tokens: np.ndarray
+    completion_mask: np.ndarray
+    advantages: np.ndarray
+    seed: int
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+
+def seed_for(case_id: str) -> int:
+    """A stable 31-bit seed derived from a case id (``zlib.crc32``), e.g. ``seed_for("tiny/batch")``."""
+    return zlib.crc32(case_id.encode()) & 0x7FFFFFFF
+
+
+def make_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int) -> Batch:
+    """Seeded tokens, completion mask and advantages, built in numpy.
+
+    Each sequence has a prompt of length p in [S/4, S/2] and a completion of length c in [S/4, S - p]; positions after
+    the completion are padding (mask 0). logp[:, t] scores token t+1, so the completion tokens p .. p+c-1 are scored
+    at t = p-1 .. p+c-2. Advantages are standard normal rounded through bfloat16, one per sequence.
+    """
+    for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("vocab_size", vocab_size)):
+        if not (isinstance(v, (int, np.integer)) and v >= (4 if name == "seq_len" else 1)):
+            raise ValueError(f"make_batch: {name}={v!r} must be an int >= {4 if name == 'seq_len' else 1}")
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab_size, size=(batch_size, seq_len), dtype=np.int64).astype(np.int32)
+    mask = np.zeros((batch_size, seq_len - 1), np.float32)
+    for b in range(batch_size):
+        p = int(rng.integers(max(1, seq_len // 4), max(2, seq_len // 2) + 1))
+        c = int(rng.integers(max(1, seq_len // 4), seq_len - p + 1))
+        mask[b, p - 1 : p + c - 1] = 1.0
+    adv = rng.standard_normal(batch_size).astype(np.float32)
+    adv = adv.astype(ml_dtypes.bfloat16).astype(np.float32)  # bf16-representable: every side sees the same values
+    return Batch(tokens=tokens, completion_mask=mask, advantages=adv, seed=int(seed))
+
+
+def grpo_loss(logp, old_logp, advantages, mask, *, ratio_clip: float | None = None):
+    """The GRPO policy loss, token-mean over the completion mask.
+
+    logp, old_logp: [B, S-1] f32; advantages: [B]; mask: [B, S-1]. ratio = exp(clip(logp - old, -20, 20));
+    per token -ratio * A (or, with ``ratio_clip=eps``, -min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)).
+    """
+    logp = logp.astype(jnp.float32)
+    ratio = jnp.exp(jnp.clip(logp - old_logp, -LOG_RATIO_CLIP, LOG_RATIO_CLIP))
+    adv = advantages.astype(jnp.float32)[:, None]  # [B] -> [B, 1], broadcast over tokens
+    per_token = ratio * adv
+    if ratio_clip is not None:
+        per_token = jnp.minimum(per_token, jnp.clip(ratio, 1.0 - ratio_clip, 1.0 + ratio_clip) * adv)
+    mask = mask.astype(jnp.float32)
+    return -jnp.sum(per_token * mask) / jnp.sum(mask)
+
+
+LossFn = Callable[..., jax.Array]
+
+
+def make_optimizer(settings: ProtocolSettings) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW."""
+    return optax.chain(
+        optax.clip_by_global_norm(settings.max_grad_norm),
+        optax.adamw(settings.learning_rate, b1=settings.b1, b2=settings.b2, eps=settings.eps,
+                    weight_decay=settings.weight_decay),
+    )
+
+
+def tree_to_named(tree) -> dict[str, np.ndarray]:
+    """Nested-dict pytree -> {"a/b/c": host array}; the name is the "/".join of the dict keys."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = []
+        for k in path:
+            if isinstance(k, jax.tree_util.DictKey):
+                parts.append(str(k.key))
+            elif isinstance(k, jax.tree_util.SequenceKey):
+                parts.append(str(k.idx))
+            elif isinstance(k, jax.tree_util.GetAttrKey):
+                parts.append(str(k.name))
+            else:
+                parts.append(str(k))
+        out["/".join(parts)] = np.asarray(leaf)
+    return out
+
+
+def run_protocol(
+    log_probs_fn: Callable,
+    params,
+    batch: Batch,
+    settings: ProtocolSettings = DEFAULT_SETTINGS,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    loss_fn: LossFn = grpo_loss,
+    progress: Callable[[str], None] | None = None,
+    label: str = "run",
+) -> record_lib.RunRecord:
+    """Run ``settings.steps`` optimizer steps of the RL loss and record every step.
+
+    log_probs_fn(params, tokens[B, S]) -> (logp[B, S-1] f32, aux with "dropped_tokens"). ``loss_fn`` has
+    ``grpo_loss``'s signature (the mutants replace it). ``params`` is the float32 initial pytree.
+    """
+    tokens = jnp.asarray(batch.tokens)
+    mask = jnp.asarray(batch.completion_mask)
+    adv = jnp.asarray(batch.advantages)
+    opt = make_optimizer(settings)
+
+    def objective(p):
+        logp, aux = log_probs_fn(p, tokens)
+        loss = loss_fn(logp, jax.lax.stop_gradient(logp), adv, mask, ratio_clip=settings.ratio_clip)
+        return loss, (logp, aux)
+
+    # Two programs: the model's loss and gradient (what the flags change), then the optimizer step. Kept apart so that
+    # the optimizer's own reductions (the global norm, the clipping) compile to the same program for every run and an
+    # `exact` flag that leaves the gradient bit-identical also leaves the update bit-identical.
+    @jax.jit
+    def grad_step(p):
+        (loss, (logp, aux)), grads = jax.value_and_grad(objective, has_aux=True)(p)
+        dropped = jnp.asarray(aux.get("dropped_tokens", 0), jnp.int32) if isinstance(aux, Mapping) else jnp.int32(0)
+        return loss, logp, grads, dropped
+
+    @jax.jit
+    def opt_step(p, opt_state, grads):
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = opt.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, grad_norm
+
+    def step(p, opt_state):
+        loss, logp, grads, dropped = grad_step(p)
+        p, opt_state, grad_norm = opt_step(p, opt_state, grads)
+        return p, opt_state, loss, logp, grads, grad_norm, dropped
+
+    params = jax.tree.map(jnp.asarray, params)
+    params0 = tree_to_named(params)
+    opt_state = opt.init(params)
+    # Every step feeds the parameters back in the layout they came in (the optimizer's outputs may come back laid out
+    # differently), so the model's program is compiled once, not again at step 2.
+    layout = jax.tree.map(lambda x: x.sharding, params)
+    steps = []
+    step_s = []
+    t0 = time.perf_counter()
+    for i in range(settings.steps):
+        ts = time.perf_counter()
+        params, opt_state, loss, logp, grads, grad_norm, dropped = step(params, opt_state)
+        params = jax.device_put(params, layout)
+        jax.block_until_ready(params)
+        step_s.append(time.perf_counter() - ts)
+        steps.append(
+            record_lib.StepRecord(
+                loss=np.asarray(loss),
+                logp=np.asarray(logp),
+                grads=tree_to_named(grads),
+                grad_norm=np.asarray(grad_norm),
+                params=tree_to_named(params),
+                dropped_tokens=int(dropped),
+            )
+        )
+        if progress is not None:
+            progress(f"{label}: step {i + 1}/{settings.steps} loss={float(loss):.6g} "
+                     f"grad_norm={float(grad_norm):.6g} elapsed {time.perf_counter() - t0:.1f}s")
+    meta = dict(metadata or {})
+    meta.setdefault("settings", settings.as_dict())
+    meta.setdefault("batch_seed", batch.seed)
+    meta["wall_s"] = round(time.perf_counter() - t0, 3)
+    meta["step_s"] = [round(t, 3) for t in step_s]
+    # The first step includes tracing + compilation; later steps reuse the executable.
+    meta["compile_s_estimate"] = round(step_s[0] - (min(step_s[1:]) if len(step_s) > 1 else 0.0), 3)
+    return record_lib.RunRecord(params0=params0, steps=steps, mask=np.asarray(batch.completion_mask), metadata=meta)

@@ -1,0 +1,150 @@
+"""The gate report: a terminal table per check, ``reports/gates.json`` and ``reports/gates.md`` (written atomically).
+
+Per check: gate, step, the metric against the control, against the float32 reference, the bound each is held to
+(``0 (exact)`` or the tolerance against the control; ``max(tol, (1 + slack) * m(control, reference))`` against the
+reference), the verdict; then the first failing step and the worst tensor (largest gradient rel L2 against the control).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+
+from tabulate import tabulate
+
+from gates import atomic
+from gates import gates as gates_lib
+
+HEADERS = ("gate", "step", "vs control", "bound", "vs reference", "bound (ref)", "verdict")
+
+
+def _fmt(x: float) -> str:
+    if x is None:
+        return "-"
+    if math.isinf(x) or math.isnan(x):
+        return str(x)
+    return "0" if x == 0 else f"{x:.3e}"
+
+
+@dataclasses.dataclass
+class Report:
+    config: str
+    checks: list  # list[gates.runner.CheckResult]
+    golden: object | None  # gates.golden.GoldenComparison
+    env: dict
+    tolerances: gates_lib.Tolerances
+    wall_s: float = 0.0
+    pending: list = dataclasses.field(default_factory=list)  # checks not run yet (a partial report)
+
+    @property
+    def passed(self) -> bool:
+        """Every gate of every check passes. The golden comparison is reported next to it, not part of it: a drifted
+        control is a finding about the baseline (rebuild or investigate), not a flag's gate failure."""
+        return bool(self.checks) and not self.pending and all(c.passed for c in self.checks)
+
+    # ------------------------------------------------------------------------------------------------------ rows
+    @staticmethod
+    def rows(check) -> list[list[str]]:
+        out = []
+        for r in check.results:
+            bound_c = "0 (exact)" if check.spec.contract == "exact" else _fmt(r.bound_control)
+            verdict = "pass" if r.passed else "FAIL"
+            if not r.passed:
+                why = []
+                if not r.passed_control:
+                    why.append("control")
+                if not r.passed_reference:
+                    why.append("reference")
+                verdict += f" ({', '.join(why)}{'; ' + r.note if r.note else ''})"
+            name = f"{r.gate} {gates_lib.GATE_NAMES[r.gate]}"
+            out.append([name, str(r.step), _fmt(r.vs_control), bound_c, _fmt(r.vs_reference), _fmt(r.bound_reference),
+                        verdict])
+        return out
+
+    @staticmethod
+    def summary(check) -> list[str]:
+        lines = [f"check {check.spec.name!r}: contract {check.spec.contract}; "
+                 f"{'PASS' if check.passed else 'FAIL'} ({check.wall_s:.1f}s; control {check.records['control']}, "
+                 f"reference {check.records['reference']})"]
+        if check.control_flags:
+            lines.append("  control prerequisites: " + ", ".join(f"{k}={v}" for k, v in check.control_flags.items()))
+        lines.append("  candidate flags: " + ", ".join(f"{k}={v}" for k, v in check.candidate_flags.items()))
+        for p in check.problems:
+            lines.append(f"  precondition failed: {p}")
+        step = check.first_failing_step
+        name, value = check.worst_tensor
+        worst = f"{name} (gradient rel L2 {_fmt(value)})" if value > 0 else "none (every gradient tensor equal)"
+        lines.append(f"  first failing step: {step if step is not None else 'none'}; worst tensor vs control: {worst}")
+        return lines
+
+    # -------------------------------------------------------------------------------------------------- renders
+    def table(self) -> str:
+        parts = [f"nxgates: config {self.config!r} on {self.env.get('device_count')} x {self.env.get('device_kind')} "
+                 f"(jax {self.env.get('jax')}), slack {self.tolerances.slack:g}"]
+        for c in self.checks:
+            parts.append("")
+            parts += self.summary(c)
+            parts.append(tabulate(self.rows(c), headers=HEADERS, tablefmt="simple", disable_numparse=True))
+        if self.golden is not None:
+            tag = "WARNING " if self.golden.failed else ""
+            parts += ["", f"{tag}golden: {self.golden.status}: {self.golden.message}"]
+        if self.pending:
+            parts += ["", "PARTIAL REPORT: still to run: " + ", ".join(self.pending)]
+        n_fail = sum(not c.passed for c in self.checks)
+        parts += ["", f"{'PASS' if self.passed else 'FAIL'}: {len(self.checks) - n_fail}/{len(self.checks)} checks "
+                  f"pass ({self.wall_s:.1f}s)"]
+        return "\n".join(parts)
+
+    def to_markdown(self) -> str:
+        parts = [f"# nxgates report: config `{self.config}`", "",
+                 f"{self.env.get('device_count')} x {self.env.get('device_kind')}, jax {self.env.get('jax')}, "
+                 f"jaxlib {self.env.get('jaxlib')}; tolerances `{self.tolerances.path}`, "
+                 f"slack {self.tolerances.slack:g}.",
+                 "", f"**{'PASS' if self.passed else 'FAIL'}**"
+                 + (f" (partial: still to run {', '.join(self.pending)})" if self.pending else ""), ""]
+        for c in self.checks:
+            parts.append(f"## {c.spec.name} ({c.spec.contract}): {'PASS' if c.passed else 'FAIL'}")
+            parts.append("")
+            parts += [f"- {line.strip()}" for line in self.summary(c)[1:]]
+            parts.append("")
+            parts.append(tabulate(self.rows(c), headers=HEADERS, tablefmt="github", disable_numparse=True))
+            parts.append("")
+        if self.golden is not None:
+            parts += [f"Golden: **{self.golden.status}**: {self.golden.message}", ""]
+        return "\n".join(parts)
+
+    def to_json(self) -> dict:
+        return {
+            "config": self.config,
+            "passed": self.passed,
+            "env": self.env,
+            "wall_s": self.wall_s,
+            "tolerances": {"path": self.tolerances.path, "tol": dict(self.tolerances.tol),
+                           "slack": self.tolerances.slack, "golden_rel": self.tolerances.golden_rel},
+            "golden": self.golden.as_dict() if self.golden is not None else None,
+            "pending": list(self.pending),
+            "checks": [
+                {
+                    "name": c.spec.name,
+                    "contract": c.spec.contract,
+                    "keys": list(c.spec.keys),
+                    "control_overrides": c.control_flags,
+                    "candidate_overrides": c.candidate_flags,
+                    "passed": c.passed,
+                    "first_failing_step": c.first_failing_step,
+                    "worst_tensor": {"name": c.worst_tensor[0], "rel_l2": c.worst_tensor[1]},
+                    "problems": c.problems,
+                    "records": c.records,
+                    "implementations": c.implementations,
+                    "wall_s": c.wall_s,
+                    "gates": [r.as_dict() for r in c.results],
+                }
+                for c in self.checks
+            ],
+        }
+
+    def write(self, out_dir: str | pathlib.Path = "reports") -> tuple[pathlib.Path, pathlib.Path]:
+        out = pathlib.Path(out_dir)
+        return (atomic.write_json_atomic(out / "gates.json", self.to_json()),
+                atomic.write_text_atomic(out / "gates.md", self.to_markdown()))

@@ -1,0 +1,168 @@
+"""The CLI and the Python API end to end on the toy model: exit codes 0 / 1 / 2, the messages, the reports, goldens.
+One test runs the real model's config validation (exit 2 needs no model run).
+
+Run: python -m pytest tests/gates/test_cli.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+from gates import cli, golden
+from gates import gates as G
+from tests.gates import toy_model
+from tests.gates.toy_model import toy_run
+
+
+def tolerance_file(tmp_path: pathlib.Path, rel: float) -> str:
+    """A copy of the repository's table with every gate's rel replaced (N1 stays 0)."""
+    text = G.DEFAULT_TOLERANCES.read_text()
+    for gate in ("N2", "N3", "N4", "N5", "N6"):
+        text = re.sub(rf"(\[gates\.{gate}\]\nrel = )[^\n]+", rf"\g<1>{rel}", text)
+    p = tmp_path / f"tol-{rel}.toml"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cli")
+
+
+def run_cli(argv, workdir, capsys):
+    code = cli.main([*argv, "--cache-dir", str(workdir / "cache")], api=toy_model.api())
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config", "toy", "--flags", "no_such_flag=1"], "unknown flag 'no_such_flag' (value '1')"),
+        (["--config", "toy", "--flags", "moe_wi_gmm_fused_swiglu=maybe"],
+         "moe_wi_gmm_fused_swiglu=maybe is malformed"),
+        (["--config", "toy", "--flags", "fp8_moe_fake_quant=false", "fp8_fake_quant_hoist=gather8"],
+         "fp8_fake_quant_hoist=gather8 requires fp8_moe_fake_quant=True; got fp8_moe_fake_quant=False"),
+        (["--config", "nope"], "unknown config 'nope'"),
+        (["--config", "toy", "--flags", "moe_wi_gmm_fused_swiglu"],
+         "--flags item 'moe_wi_gmm_fused_swiglu' is malformed"),
+        (["--config", "toy", "--flags", "moe_wi_gmm_fused_swiglu=false"], "no tuning flag differs"),
+    ],
+    ids=["unknown-flag", "malformed-value", "refused-combination", "unknown-config", "malformed-item", "no-change"],
+)
+def test_bad_input_exits_2_with_the_key_and_value(argv, message, workdir, capsys):
+    code, out, err = run_cli(argv, workdir, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert "step 1/3" not in err  # refused before anything ran
+
+
+def test_real_model_refusals_exit_2(capsys):
+    """The real config's messages (model.config): unknown flag, malformed value, a refused combination."""
+    pytest.importorskip("model.config")
+    cases = [
+        (["--flags", "moe_wi_gmm_fused_swiglu_typo=true"], "unknown flag 'moe_wi_gmm_fused_swiglu_typo'"),
+        (["--flags", "wi_tile_fwd_batch_seq=big"], "wi_tile_fwd_batch_seq=big is malformed"),
+        (["--flags", "moe_router_grad_from_wo_input=true"],
+         "moe_router_grad_from_wo_input=True requires moe_wo_gmm_fused_dswiglu=True"),
+        (["--config", "huge"], "unknown config 'huge'"),
+    ]
+    for argv, message in cases:
+        code = cli.main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, (argv, err)
+
+
+def test_pass_exit_0_writes_reports(workdir, capsys, tmp_path):
+    out_dir = tmp_path / "reports"
+    code, out, err = run_cli(["--config", "toy", "--flags", "fp8_fake_quant_hoist=gather8", "--out", str(out_dir),
+                              "--golden-dir", str(tmp_path)], workdir, capsys)
+    assert code == 0, out + err
+    assert "check 'fp8_fake_quant_hoist=gather8': contract exact; PASS" in out
+    assert re.search(r"N4 gradient\s+3\s+0\s+0 \(exact\)", out)
+    assert "candidate[fp8_fake_quant_hoist=gather8]: step 3/3" in err and "elapsed" in err  # progress lines
+    data = json.loads((out_dir / "gates.json").read_text())
+    assert data["passed"] is True and data["checks"][0]["contract"] == "exact"
+    assert len(data["checks"][0]["gates"]) == 18
+    assert data["checks"][0]["implementations"]["candidate"] == {"activation": "silu", "mlp": "unfused"}
+    md = (out_dir / "gates.md").read_text()
+    assert "| N6 update" in md and "**PASS**" in md
+    assert "golden: missing" in out  # no golden in tmp_path yet
+
+
+def test_gate_failure_exits_1_and_names_the_first_failing_step(workdir, capsys, tmp_path):
+    strict = tolerance_file(tmp_path, 0.0)
+    code, out, err = run_cli(["--config", "toy", "--flags", "moe_wi_gmm_fused_swiglu=true", "--tolerances", strict,
+                              "--out", str(tmp_path / "r"), "--json"], workdir, capsys)
+    assert code == 1
+    data = json.loads(out)
+    check = data["checks"][0]
+    assert data["passed"] is False and check["first_failing_step"] == 1 and check["contract"] == "rounding"
+    assert check["worst_tensor"]["name"] in {"embed", "mlp/w_in", "mlp/w_out", "head"}
+    n1 = [g for g in check["gates"] if g["gate"] == "N1"]
+    assert all(g["passed"] for g in n1)  # the loss does not move; the gradient does
+    assert check["records"]["control"] == "cached"  # shared with the previous test through the cache
+    # and the same candidate passes the repository's table
+    code, out, _ = run_cli(["--config", "toy", "--flags", "moe_wi_gmm_fused_swiglu=true", "--tolerances",
+                            tolerance_file(tmp_path, 0.1), "--out", str(tmp_path / "r")], workdir, capsys)
+    assert code == 0, out
+
+
+def test_list_flags(capsys):
+    code = cli.main(["list-flags", "--config", "toy", "--json"], api=toy_model.api())
+    out = capsys.readouterr().out
+    rows = {r["flag"]: r for r in json.loads(out)}
+    assert code == 0
+    assert rows["fp8_fake_quant_hoist"]["contract"] == "exact" and rows["fp8_fake_quant_hoist"]["tuned"] == "gather8"
+    assert rows["wi_tile_fwd_embed_dim"]["contract"] == "rounding"
+    assert "drop_tokens" not in rows and "fp8_moe_fake_quant" not in rows
+
+
+def test_golden_written_compared_and_never_overwritten_by_a_failed_run(tmp_path):
+    tols = G.load_tolerances()
+    control = toy_run("control")
+    path = golden.write_golden("toy", control, tmp_path)
+    saved = path.read_text()
+    doc = json.loads(saved)
+    assert doc["metadata"]["rebuild"] == "python -m gates golden --config toy" and len(doc["loss_f32_hex"]) == 3
+    assert golden.compare_with_golden("toy", toy_run("control again"), tols, tmp_path).status == "match"
+    # a drifted control (another rounding) is a mismatch naming the step
+    fused = toy_run("fused", {"moe_wi_gmm_fused_swiglu": True})
+    fused.metadata["flags"] = control.metadata["flags"]
+    res = golden.compare_with_golden("toy", fused, tols, tmp_path)
+    assert res.status == "mismatch" and "step 1 grad norm" in res.message and res.failed
+    # another platform: not compared, and said plainly
+    doc["metadata"]["env"]["jaxlib"] = "0.0.1"
+    (tmp_path / "toy.json").write_text(json.dumps(doc))
+    res = golden.compare_with_golden("toy", control, tols, tmp_path)
+    assert res.status == "skipped" and "NOT compared" in res.message and "jaxlib '0.0.1'" in res.message
+    # a run with a dropped token is refused and the existing golden stays
+    path.write_text(saved)
+    bad = toy_run("dropped", {"drop_tokens": 2})
+    with pytest.raises(ValueError, match="not written.*2 dropped tokens"):
+        golden.write_golden("toy", bad, tmp_path)
+    assert path.read_text() == saved
+
+
+def test_golden_cli_rebuilds(tmp_path, capsys):
+    code = cli.main(["golden", "--config", "toy", "--golden-dir", str(tmp_path)], api=toy_model.api())
+    assert code == 0 and (tmp_path / "toy.json").exists()
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_calibrate_measures_and_proposes(tmp_path):
+    from gates import calibrate
+
+    res = calibrate.calibrate("toy", toy_model.api(), cache_dir=str(tmp_path), progress=lambda m: None)
+    assert res["benign"] == {"wi_tile_fwd_embed_dim": 8}  # the first k tile, halved
+    rows = res["rows"]
+    assert len(rows) == 18 and not res["preconditions"]
+    assert all(r["control_reproducible_bits"] and r["control_again_vs_control"] == 0.0 for r in rows)
+    assert all(r["control_vs_reference"] == 0.0 for r in rows if r["gate"] == "N1")
+    for g in ("N2", "N4", "N5", "N6"):  # rel = sqrt(2) x the control's largest distance to the reference, rounded up
+        worst = 2**0.5 * max(r["control_vs_reference"] for r in rows if r["gate"] == g)
+        assert worst <= res["proposed"][g] <= 1.1 * worst
+    assert res["proposed"]["N3"] == 2e-3 and res["proposed"]["slack"] >= 0.05

@@ -1,0 +1,230 @@
+"""The six gates on synthetic run records: each metric, each verdict, and a deliberately wrong input each gate catches.
+
+Run: python -m pytest tests/gates/test_gates.py -q
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pathlib
+
+import numpy as np
+import pytest
+
+from gates import gates as G
+from tests.gates.toy_model import synthetic_record
+
+TOLS = G.Tolerances(tol={"N1": 0.0, "N2": 1e-3, "N3": 2e-3, "N4": 1e-2, "N5": 2e-2, "N6": 5e-2}, slack=0.25,
+                    golden_rel=0.0, reasons={}, sources={}, path="test")
+
+
+def noisy(rec, scale, seed, *, loss=False):
+    """A copy of ``rec`` with relative noise ``scale`` on logp, grads and the parameter updates (all steps)."""
+    rng = np.random.default_rng(seed)
+    out = copy.deepcopy(rec)
+    for s in out.steps:
+        s.logp = (s.logp * (1 + scale * rng.standard_normal(s.logp.shape))).astype(np.float32)
+        for n in s.grads:
+            s.grads[n] = (s.grads[n] * (1 + scale * rng.standard_normal(s.grads[n].shape))).astype(np.float32)
+            delta = s.params[n].astype(np.float64) - rec.params0[n]
+            s.params[n] = (rec.params0[n] + delta * (1 + scale * rng.standard_normal(delta.shape))).astype(np.float32)
+        s.grad_norm = np.asarray(math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in s.grads.values())),
+                                 np.float32)
+        if loss:
+            s.loss = np.asarray(s.loss * (1 + scale), np.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trio():
+    control = synthetic_record(0)
+    reference = noisy(control, 1e-3, seed=1)
+    return control, reference
+
+
+def failed_gates(results):
+    return {r.gate for r in results if not r.passed}
+
+
+# --------------------------------------------------------------------------------------------------------- metrics
+def test_metrics_match_their_definitions(trio):
+    control, _ = trio
+    cand = copy.deepcopy(control)
+    s = cand.steps[1]
+    s.loss = np.asarray(float(control.steps[1].loss) * 1.1, np.float32)
+    s.logp = s.logp.copy()
+    s.logp[0, 3] += 0.5  # inside the mask (cols 2..5)
+    s.grads["head"] = s.grads["head"] * np.float32(2.0)
+    ctrl = control.steps[1]
+    assert G.metric("N1", cand, control, 1).value == pytest.approx(
+        abs(float(s.loss) - float(ctrl.loss)) / abs(float(ctrl.loss)), rel=1e-12)
+    m = control.mask > 0
+    diff = (s.logp - ctrl.logp)[m].astype(np.float64)
+    expect_n2 = np.linalg.norm(diff) / np.linalg.norm(ctrl.logp[m].astype(np.float64))
+    assert G.metric("N2", cand, control, 1).value == pytest.approx(expect_n2, rel=1e-12)
+    flat = lambda st: np.concatenate([st.grads[n].astype(np.float64).ravel() for n in sorted(st.grads)])  # noqa: E731
+    a, b = flat(s), flat(ctrl)
+    assert G.metric("N3", cand, control, 1).value == pytest.approx(
+        abs(np.linalg.norm(a) - np.linalg.norm(b)) / np.linalg.norm(b), rel=1e-12)
+    assert G.metric("N4", cand, control, 1).value == pytest.approx(np.linalg.norm(a - b) / np.linalg.norm(b), rel=1e-12)
+    n5 = G.metric("N5", cand, control, 1)
+    assert n5.value == pytest.approx(1.0, rel=1e-12) and n5.worst_tensor == "head"  # 2g vs g: rel L2 exactly 1
+    assert G.metric("N6", cand, control, 1).value == 0.0  # params untouched
+
+
+def test_n2_ignores_tokens_outside_the_completion_mask(trio):
+    control, _ = trio
+    cand = copy.deepcopy(control)
+    cand.steps[0].logp = cand.steps[0].logp.copy()
+    cand.steps[0].logp[:, 0] += 5.0  # the prompt: mask 0
+    assert G.metric("N2", cand, control, 0).value == 0.0
+    cand.steps[0].logp[:, 2] += 5.0  # a completion token
+    assert G.metric("N2", cand, control, 0).value > 0.1
+
+
+def test_n6_measures_the_change_since_step_0(trio):
+    control, _ = trio
+    cand = copy.deepcopy(control)
+    n = "mlp/w_in"
+    delta = control.steps[2].params[n].astype(np.float64) - control.params0[n]
+    cand.steps[2].params[n] = (control.params0[n] + 1.5 * delta).astype(np.float32)
+    d_all = np.concatenate([(control.steps[2].params[k].astype(np.float64) - control.params0[k]).ravel()
+                            for k in sorted(control.params0)])
+    expect = np.linalg.norm(0.5 * delta) / np.linalg.norm(d_all)
+    assert G.metric("N6", cand, control, 2).value == pytest.approx(expect, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------- gates
+def test_identical_candidate_passes_exact_and_rounding(trio):
+    control, reference = trio
+    for contract in ("exact", "rounding"):
+        results, problems = G.evaluate(copy.deepcopy(control), control, reference, contract, TOLS)
+        assert not problems and len(results) == 18 and all(r.passed for r in results)
+
+
+def test_rounding_noise_within_tolerance_passes(trio):
+    control, reference = trio
+    cand = noisy(control, 1e-4, seed=7)
+    results, problems = G.evaluate(cand, control, reference, "rounding", TOLS)
+    assert not problems and failed_gates(results) == set()
+    # ... but the same noise breaks an exact contract: every gate that reads a changed array fails.
+    results, _ = G.evaluate(cand, control, reference, "exact", TOLS)
+    assert failed_gates(results) == {"N2", "N3", "N4", "N5", "N6"}
+    assert all(r.note == "not bit-identical" for r in results if not r.passed)
+
+
+def test_perturbed_gradient_fails_n4_n5_not_n1(trio):
+    control, reference = trio
+    cand = copy.deepcopy(control)
+    for s in cand.steps:
+        s.grads["mlp/w_out"] = s.grads["mlp/w_out"] * np.float32(1.2)  # one tensor's gradient 20% too large
+    results, _ = G.evaluate(cand, control, reference, "rounding", TOLS)
+    failed = failed_gates(results)
+    assert {"N4", "N5"} <= failed and "N1" not in failed and "N2" not in failed and "N6" not in failed
+    assert {r.worst_tensor for r in results if r.gate == "N5"} == {"mlp/w_out"}
+
+
+def test_one_tensor_wrong_is_caught_by_n5_alone(trio):
+    control, reference = trio
+    cand = copy.deepcopy(control)
+    for s in cand.steps:  # 3% on the smallest tensor: below N4's 1e-2 over the whole gradient, above N5's 2e-2
+        s.grads["norm/scale"] = s.grads["norm/scale"] * np.float32(1.03)
+    results, _ = G.evaluate(cand, control, reference, "rounding", TOLS)
+    assert failed_gates(results) == {"N5"}
+
+
+def test_each_gate_catches_its_own_wrong_input(trio):
+    control, reference = trio
+    cases = {
+        "N1": lambda s: setattr(s, "loss", np.asarray(float(s.loss) * 1.001, np.float32)),
+        "N2": lambda s: setattr(s, "logp", (s.logp * np.float32(1.01)).astype(np.float32)),
+        "N6": lambda s: s.params.update({n: (p + np.float32(0.01)).astype(np.float32) for n, p in s.params.items()}),
+    }
+    for gate, fn in cases.items():
+        cand = copy.deepcopy(control)
+        for s in cand.steps:
+            fn(s)
+        results, _ = G.evaluate(cand, control, reference, "rounding", TOLS)
+        assert failed_gates(results) == {gate}, (gate, failed_gates(results))
+
+
+def test_n3_scaled_gradient_fails_n3_only(trio):
+    control, reference = trio
+    cand = copy.deepcopy(control)
+    for s in cand.steps:
+        s.grads = {n: (g * np.float32(1.005)).astype(np.float32) for n, g in s.grads.items()}
+    results, _ = G.evaluate(cand, control, reference, "rounding", TOLS)
+    assert failed_gates(results) == {"N3"}
+
+
+def test_reference_pair_catches_a_candidate_farther_from_the_truth(trio):
+    control, _ = trio
+    reference = noisy(control, 2e-2, seed=1)  # m(control, reference) = 2e-2 on N4
+    # The candidate is within N4's rounding bound of the control, but moves away from the reference by more than
+    # (1 + slack) times the control's distance: fail against the reference only.
+    cand = copy.deepcopy(control)
+    for s, rs in zip(cand.steps, reference.steps, strict=True):
+        s.grads = {n: (g + 0.4 * (g - rs.grads[n])).astype(np.float32) for n, g in s.grads.items()}
+    results, _ = G.evaluate(cand, control, reference, "rounding", TOLS)
+    n4 = [r for r in results if r.gate == "N4"]
+    assert all(r.passed_control and not r.passed_reference for r in n4)
+    assert all(r.bound_reference == pytest.approx(1.25 * r.control_vs_reference) for r in n4)
+    # The same candidate moved TOWARD the reference passes both.
+    closer = copy.deepcopy(control)
+    for s, rs in zip(closer.steps, reference.steps, strict=True):
+        s.grads = {n: (g + 0.3 * (rs.grads[n] - g)).astype(np.float32) for n, g in s.grads.items()}
+    results, _ = G.evaluate(closer, control, reference, "rounding", TOLS)
+    assert all(r.passed for r in results if r.gate == "N4")
+
+
+@pytest.mark.parametrize("where", ["candidate", "control", "reference"])
+def test_non_finite_anywhere_fails_every_gate(trio, where):
+    control, reference = trio
+    recs = {"candidate": copy.deepcopy(control), "control": copy.deepcopy(control),
+            "reference": copy.deepcopy(reference)}
+    g = recs[where].steps[2].grads["head"].copy()
+    g[0, 0] = np.nan
+    recs[where].steps[2].grads["head"] = g
+    results, problems = G.evaluate(recs["candidate"], recs["control"], recs["reference"], "rounding", TOLS)
+    assert problems and f"{where} step 3: non-finite grads/head" in problems[0]
+    assert not any(r.passed for r in results)
+
+
+def test_dropped_token_fails_every_gate(trio):
+    control, reference = trio
+    cand = copy.deepcopy(control)
+    cand.steps[0].dropped_tokens = 3
+    results, problems = G.evaluate(cand, control, reference, "exact", TOLS)
+    assert problems == ["candidate step 1: 3 dropped tokens"]
+    assert not any(r.passed for r in results)
+
+
+def test_records_that_do_not_line_up_are_refused(trio):
+    control, reference = trio
+    other = synthetic_record(5)  # other initial parameters
+    _, problems = G.evaluate(other, control, reference, "rounding", TOLS)
+    assert any("different initial parameters" in p for p in problems)
+    with pytest.raises(ValueError, match="contract='fuzzy'"):
+        G.evaluate(control, control, reference, "fuzzy", TOLS)
+
+
+# ------------------------------------------------------------------------------------------------------ tolerances
+def test_repository_table_loads_with_reason_and_source():
+    t = G.load_tolerances()
+    assert t.tol["N3"] == 2e-3
+    assert set(t.tol) == set(G.GATES)
+    assert all(t.reasons[k] and t.sources[k] for k in (*G.GATES, "slack", "golden"))
+
+
+def test_table_entries_missing_fields_are_refused(tmp_path: pathlib.Path):
+    good = G.DEFAULT_TOLERANCES.read_text()
+    p = tmp_path / "t.toml"
+    p.write_text(good.replace('[gates.N4]\nrel = ', '[gates.N4]\nrelx = '))
+    with pytest.raises(ValueError, match=r"\[gates.N4\] needs 'rel'"):
+        G.load_tolerances(p)
+    p.write_text(good.replace("[gates.N2]", "[gates.N2x]"))
+    with pytest.raises(ValueError, match=r"\[gates.N2\] missing"):
+        G.load_tolerances(p)
+    with pytest.raises(ValueError, match="path='/nonexistent.toml'"):
+        G.load_tolerances("/nonexistent.toml")

@@ -1,0 +1,132 @@
+"""The three-step RL protocol: batch, GRPO loss, optimizer, and the claim that the loss depends only on the
+advantages and the mask (so candidate and control agree exactly on N1).
+
+Run: python -m pytest tests/gates/test_protocol.py -q
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+from gates import protocol as P
+from tests.gates.toy_model import toy_run
+
+
+def test_batch_is_seeded_and_masks_only_completions():
+    a = P.make_batch(4, 32, 50, P.seed_for("B4-S32-V50"))
+    b = P.make_batch(4, 32, 50, P.seed_for("B4-S32-V50"))
+    c = P.make_batch(4, 32, 50, P.seed_for("other"))
+    assert a.tokens.tobytes() == b.tokens.tobytes() and a.completion_mask.tobytes() == b.completion_mask.tobytes()
+    assert a.tokens.tobytes() != c.tokens.tobytes()
+    assert a.tokens.dtype == np.int32 and a.tokens.shape == (4, 32) and a.completion_mask.shape == (4, 31)
+    assert a.tokens.min() >= 0 and a.tokens.max() < 50
+    for row in a.completion_mask:
+        ones = np.flatnonzero(row)
+        assert ones.size > 0 and np.all(np.diff(ones) == 1)  # one contiguous completion
+        assert ones[0] >= 32 // 4 - 1  # the prompt (>= S/4 tokens) is never scored
+    adv = a.advantages
+    assert adv.shape == (4,) and np.array_equal(adv, adv.astype(ml_dtypes.bfloat16).astype(np.float32))
+    with pytest.raises(ValueError, match="seq_len=2"):
+        P.make_batch(4, 2, 50, 0)
+
+
+def test_on_policy_loss_depends_only_on_advantages_and_mask():
+    rng = np.random.default_rng(0)
+    adv = jnp.asarray([0.5, -1.25, 2.0], jnp.float32)
+    mask = jnp.asarray(rng.integers(0, 2, (3, 9)).astype(np.float32))
+    expected = -float(np.sum(np.asarray(adv)[:, None] * np.asarray(mask)) / np.sum(np.asarray(mask)))
+    losses = []
+    for seed in range(3):  # three unrelated log-prob tensors, one of them wild
+        logp = jnp.asarray(rng.standard_normal((3, 9)).astype(np.float32) * (1 + 100 * seed))
+        losses.append(float(P.grpo_loss(logp, jax.lax.stop_gradient(logp), adv, mask)))
+    assert losses[0] == losses[1] == losses[2] == pytest.approx(expected, rel=1e-6)
+    # and its gradient with respect to the log-probs is -A * mask / count, whatever the log-probs are
+    logp = jnp.asarray(rng.standard_normal((3, 9)).astype(np.float32))
+    g = jax.grad(lambda lp: P.grpo_loss(lp, jax.lax.stop_gradient(lp), adv, mask))(logp)
+    np.testing.assert_allclose(g, -np.asarray(adv)[:, None] * np.asarray(mask) / float(np.sum(np.asarray(mask))),
+                               rtol=1e-6)
+
+
+def test_ratio_clip_and_log_ratio_clip():
+    adv = jnp.asarray([1.0], jnp.float32)
+    mask = jnp.ones((1, 1), jnp.float32)
+    old = jnp.zeros((1, 1), jnp.float32)
+    logp = jnp.log(jnp.asarray([[1.5]], jnp.float32))  # ratio 1.5
+    assert float(P.grpo_loss(logp, old, adv, mask)) == pytest.approx(-1.5, rel=1e-6)
+    assert float(P.grpo_loss(logp, old, adv, mask, ratio_clip=0.2)) == pytest.approx(-1.2, rel=1e-6)
+    huge = jnp.asarray([[50.0]], jnp.float32)  # log ratio clipped to 20 before exp
+    assert float(P.grpo_loss(huge, old, adv, mask)) == pytest.approx(-float(np.exp(np.float32(20))), rel=1e-6)
+
+
+def test_settings_refuse_bad_values():
+    with pytest.raises(NotImplementedError, match="kl_weight=0.1"):
+        P.ProtocolSettings(kl_weight=0.1)
+    with pytest.raises(ValueError, match="steps=0"):
+        P.ProtocolSettings(steps=0)
+    with pytest.raises(ValueError, match="ratio_clip=1.5"):
+        P.ProtocolSettings(ratio_clip=1.5)
+
+
+def test_optimizer_clips_the_global_norm_then_adamw():
+    s = P.ProtocolSettings(max_grad_norm=1.0)
+    params = {"a": jnp.ones((3,), jnp.float32), "b": jnp.full((2,), 2.0, jnp.float32)}
+    g1 = {"a": jnp.asarray([3.0, 0.0, -4.0]), "b": jnp.asarray([0.0, 0.0])}  # global norm 5: clipped to 1
+    g2 = {"a": jnp.asarray([0.1, 0.2, 0.0]), "b": jnp.asarray([0.0, 0.1])}  # norm < 1: untouched
+    opt = P.make_optimizer(s)
+    state = opt.init(params)
+    _, state = opt.update(g1, state, params)
+    upd, _ = opt.update(g2, state, params)
+    adamw = optax.adamw(s.learning_rate, b1=s.b1, b2=s.b2, eps=s.eps, weight_decay=s.weight_decay)
+    ref_state = adamw.init(params)
+    _, ref_state = adamw.update(jax.tree.map(lambda g: g / 5.0, g1), ref_state, params)
+    expect, _ = adamw.update(g2, ref_state, params)
+    for k in params:  # the second update depends on the first gradient's scale: only the clipped one matches
+        np.testing.assert_allclose(upd[k], expect[k], rtol=1e-5)
+    # the weight decay is there: a parameter whose gradients are 0 moves by -lr * wd * p
+    np.testing.assert_allclose(upd["b"][0], -s.learning_rate * s.weight_decay * 2.0, rtol=1e-5)
+
+
+def test_toy_run_records_every_step():
+    rec = toy_run("control")
+    assert rec.num_steps == 3
+    assert set(rec.params0) == {"embed", "mlp/w_in", "mlp/w_out", "head"}
+    for i, s in enumerate(rec.steps):
+        assert s.loss.dtype == np.float32 and s.logp.shape == (4, 11) and s.dropped_tokens == 0
+        assert set(s.grads) == set(rec.params0)
+        gn = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in s.grads.values()))
+        assert float(s.grad_norm) == pytest.approx(gn, rel=1e-5)
+        prev = rec.params0 if i == 0 else rec.steps[i - 1].params
+        assert all(not np.array_equal(s.params[n], prev[n]) for n in prev)  # every tensor moved
+    assert rec.metadata["implementations"] == {"activation": "silu", "mlp": "unfused"}
+    assert rec.metadata["settings"]["steps"] == 3 and len(rec.metadata["step_s"]) == 3
+
+
+def test_loss_is_bit_identical_across_flags_and_precisions():
+    """The ratio is exactly 1: control, a rounding candidate and the float32 reference agree on every step's loss,
+    while their log-probs and gradients differ."""
+    control = toy_run("control")
+    fused = toy_run("fused", {"moe_wi_gmm_fused_swiglu": True})
+    reference = toy_run("reference", precision="reference")
+    batch = P.make_batch(4, 12, 32, P.seed_for("toy/batch"))
+    expected = np.float32(-np.sum(batch.advantages[:, None] * batch.completion_mask) / batch.completion_mask.sum())
+    for i in range(3):
+        losses = {r.steps[i].loss.tobytes() for r in (control, fused, reference)}
+        assert len(losses) == 1
+        assert float(control.steps[i].loss) == pytest.approx(float(expected), rel=1e-6)
+        assert not np.array_equal(control.steps[i].grads["mlp/w_in"], fused.steps[i].grads["mlp/w_in"])
+        assert not np.array_equal(control.steps[i].logp, reference.steps[i].logp)
+
+
+def test_exact_flag_gives_bit_identical_run_and_is_reproducible():
+    control = toy_run("control")
+    again = toy_run("control again")
+    hoisted = toy_run("gather8", {"fp8_fake_quant_hoist": "gather8"})
+    for other in (again, hoisted):
+        for a, b in zip(control.steps, other.steps, strict=True):
+            assert a.grad_norm.tobytes() == b.grad_norm.tobytes() and a.logp.tobytes() == b.logp.tobytes()
+            assert all(a.params[n].tobytes() == b.params[n].tobytes() for n in a.params)

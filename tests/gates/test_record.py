@@ -1,0 +1,126 @@
+"""Run records on disk: exact round trip, and a cache that never trusts a corrupted, truncated or stale entry.
+
+Run: python -m pytest tests/gates/test_record.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gates import record as R
+from tests.gates.toy_model import synthetic_record
+
+KEY = {"config": "toy", "flags": {"a": True}, "precision": "production", "env": {"jax": "0.12.0.1"}}
+
+
+def assert_same(a: R.RunRecord, b: R.RunRecord):
+    assert a.num_steps == b.num_steps
+    for n in a.params0:
+        assert a.params0[n].tobytes() == b.params0[n].tobytes()
+    for sa, sb in zip(a.steps, b.steps, strict=True):
+        assert sa.loss.tobytes() == sb.loss.tobytes() and sa.loss.dtype == sb.loss.dtype == np.float32
+        assert sa.logp.tobytes() == sb.logp.tobytes()
+        assert sa.grad_norm.tobytes() == sb.grad_norm.tobytes()
+        assert sa.dropped_tokens == sb.dropped_tokens
+        assert set(sa.grads) == set(sb.grads) and all(sa.grads[n].tobytes() == sb.grads[n].tobytes() for n in sa.grads)
+        assert all(sa.params[n].tobytes() == sb.params[n].tobytes() for n in sa.params)
+    assert a.mask.tobytes() == b.mask.tobytes()
+
+
+class Counter:
+    def __init__(self, rec):
+        self.rec, self.calls = rec, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.rec
+
+
+def test_store_load_round_trip_is_bit_exact(tmp_path):
+    rec = synthetic_record(3, metadata={"implementations": {"moe_mlp": "pallas"}})
+    cache = R.RecordCache(tmp_path)
+    cache.store(KEY, rec)
+    back = cache.load(KEY)
+    assert_same(rec, back)
+    assert back.metadata["implementations"] == {"moe_mlp": "pallas"} and back.metadata["num_steps"] == 3
+
+
+def test_computed_once_then_cached(tmp_path):
+    compute = Counter(synthetic_record(1))
+    cache = R.RecordCache(tmp_path)
+    _, how1 = cache.get_or_compute(KEY, compute)
+    rec2, how2 = cache.get_or_compute(KEY, compute)
+    assert (how1, how2, compute.calls) == ("computed", "cached", 1)
+    assert_same(rec2, compute.rec)
+    # Different key parts (e.g. another flag value or jax version) -> another entry, computed again.
+    _, how3 = cache.get_or_compute({**KEY, "env": {"jax": "0.13"}}, compute)
+    assert how3 == "computed" and compute.calls == 2
+
+
+def _corrupt_npz(npz):
+    data = bytearray(npz.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    npz.write_bytes(bytes(data))
+
+
+def _truncate_json(js):
+    js.write_text(js.read_text()[:40])
+
+
+def _stale_key(js):
+    entry = json.loads(js.read_text())
+    entry["key"]["flags"] = {"a": False}
+    js.write_text(json.dumps(entry))
+
+
+def _old_format(js):
+    entry = json.loads(js.read_text())
+    entry["format"] = 0
+    js.write_text(json.dumps(entry))
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda npz, js: _corrupt_npz(npz), "checksum mismatch"),
+        (lambda npz, js: npz.write_bytes(npz.read_bytes()[:100]), "checksum mismatch"),
+        (lambda npz, js: npz.unlink(), "missing arrays"),
+        (lambda npz, js: _truncate_json(js), "unreadable JSON"),
+        (lambda npz, js: _stale_key(js), "stale entry"),
+        (lambda npz, js: _old_format(js), "stale format"),
+    ],
+    ids=["flipped-byte", "truncated-npz", "missing-npz", "truncated-json", "stale-key", "old-format"],
+)
+def test_damaged_entry_is_recomputed_not_trusted(tmp_path, damage, reason):
+    good = synthetic_record(2)
+    cache = R.RecordCache(tmp_path)
+    cache.store(KEY, synthetic_record(9))  # what a damaged entry would have given
+    npz, js = cache.paths(KEY)
+    damage(npz, js)
+    with pytest.raises(R.CacheEntryInvalid, match=reason):
+        cache.load(KEY)
+    compute = Counter(good)
+    rec, how = cache.get_or_compute(KEY, compute)
+    assert compute.calls == 1 and how.startswith("recomputed: ") and reason in how
+    assert_same(rec, good)
+    assert_same(cache.load(KEY), good)  # the entry was rewritten and is valid again
+
+
+def test_checksum_covers_content_not_just_length(tmp_path):
+    cache = R.RecordCache(tmp_path)
+    cache.store(KEY, synthetic_record(4))
+    npz, _ = cache.paths(KEY)
+    other = R._npz_bytes(synthetic_record(5).to_arrays())
+    assert len(other) == npz.stat().st_size  # same layout, same size, other numbers
+    npz.write_bytes(other)
+    with pytest.raises(R.CacheEntryInvalid, match="checksum mismatch"):
+        cache.load(KEY)
+
+
+def test_no_temporary_files_left_behind(tmp_path):
+    cache = R.RecordCache(tmp_path)
+    cache.store(KEY, synthetic_record(6))
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".npz"]
