@@ -1,6 +1,9 @@
 """nox sessions for nxgates.
 
     pip install nox && nox -s tests     # the test suite (8 host CPU devices, Pallas in interpret mode)
+    nox -s gates                        # the blocking check: six gates for every flag + the tuned set
+    nox -s kernels                      # per-kernel tolerance report
+    nox -s mutants                      # deliberately wrong variants must fail their gates
     nox -s lint                         # ruff
 
 Sessions install the project into their own virtualenv on Python 3.12 (jax >= 0.12.0.1).
@@ -26,3 +29,28 @@ def lint(session: nox.Session) -> None:
     """Lint and check import order with ruff."""
     session.install("ruff")
     session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def gates(session: nox.Session) -> None:
+    """The blocking check: every registered flag alone and the tuned combination through the six gates.
+
+    Arguments after `--` go to `python -m gates` (e.g. `-- --flags moe_wi_gmm_fused_swiglu=true`, `-- --config smoke`).
+    Exit 0: all gates pass; 1: a gate fails; 2: bad flags, config or input (the message names the key and value).
+    """
+    session.install("-e", ".")
+    session.run("python", "-m", "gates", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def kernels(session: nox.Session) -> None:
+    """Per-kernel tolerance report: Pallas kernels and XLA baselines against the float32 references."""
+    session.install("-e", ".")
+    session.run("python", "-m", "gates", "kernels", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def mutants(session: nox.Session) -> None:
+    """Deliberately wrong kernels and flag paths: each must fail exactly the gates it declares."""
+    session.install("-e", ".")
+    session.run("python", "-m", "gates", "mutants", *session.posargs)
