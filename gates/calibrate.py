@@ -9,8 +9,14 @@ m(control again, control), and proposes:
   whose rounding error is as large as the control's (its distance to the float32 truth), but independent of it, is
   about sqrt(2) times that from the control; a flag that "changes the numbers by bf16 rounding" may not go farther
   (N3 stays at DESIGN.md's 2e-3; N1's measured distances are printed: the loss must not move at all);
-- ``slack`` = twice the largest relative excess of m(benign, reference) over m(control, reference) where the floor
-  ``rel`` does not already cover m(benign, reference), rounded up to a multiple of 0.05, at least 0.05.
+- ``slack[gate]``, per gate, from the benign reassociation on THAT gate: with
+  ``ratio = max over steps of m(benign, reference) / m(control, reference)`` (steps where m(control, reference) > 0),
+  ``slack = max(SLACK_FLOOR, 2 * (ratio - 1))`` rounded up to a multiple of 0.05. A rounding change as benign as a
+  re-associated accumulation went ``ratio - 1`` farther from the float32 truth than the control; twice that, because
+  one reassociation is one draw of the rounding noise. The floor (0.1) keeps a gate on which the benign candidate
+  happened to land closer to the reference than the control (ratio <= 1) from demanding that of every candidate.
+  A gate whose m(control, reference) is 0 at every step (N1) gets the floor: its reference bound is ``rel`` anyway.
+  Nothing about the mutants or the flags under test enters the rule.
 The numbers are printed (and written to reports/calibration.json); updating the table is a deliberate edit.
 """
 
@@ -25,6 +31,33 @@ from tabulate import tabulate
 from gates import atomic, contracts
 from gates import gates as gates_lib
 from gates import runner as runner_lib
+
+SLACK_FLOOR = 0.1
+SLACK_FACTOR = 2.0
+SLACK_STEP = 0.05
+
+
+def slack_from_ratio(ratio: float | None) -> float:
+    """The per-gate slack rule: ``max(SLACK_FLOOR, SLACK_FACTOR * (ratio - 1))`` rounded up to ``SLACK_STEP``;
+    ``ratio`` None (no step with m(control, reference) > 0) gives the floor."""
+    if ratio is None:
+        return SLACK_FLOOR
+    if not math.isfinite(ratio):
+        raise ValueError(f"slack_from_ratio: ratio={ratio!r} must be finite")
+    raw = math.ceil(max(SLACK_FACTOR * (ratio - 1.0), 0.0) / SLACK_STEP - 1e-9) * SLACK_STEP
+    return round(max(SLACK_FLOOR, raw), 10)
+
+
+def benign_ratios(rows: list[dict]) -> dict[str, dict]:
+    """Per gate: the largest m(benign, reference) / m(control, reference) over the steps (None when the control's
+    distance is 0 at every step) and the step where it occurs."""
+    out = {}
+    for g in gates_lib.GATES:
+        cands = [(row["benign_vs_reference"] / row["control_vs_reference"], row["step"]) for row in rows
+                 if row["gate"] == g and row["control_vs_reference"] > 0]
+        ratio, step = max(cands) if cands else (None, None)
+        out[g] = {"ratio": ratio, "step": step}
+    return out
 
 
 def _round_up(x: float, digits: int = 2) -> float:
@@ -72,17 +105,17 @@ def calibrate(config: str, api=None, benign: dict | None = None, *, cache_dir=No
                 "control_again_vs_control": gates_lib.metric(g, again, control, i).value if again else None,
                 "control_reproducible_bits": gates_lib.bit_identical(g, again, control, i) if again else None,
             })
+    ratios = benign_ratios(rows)
     proposed = {}
     for g in gates_lib.GATES:
         cr = max(row["control_vs_reference"] for row in rows if row["gate"] == g)
-        proposed[g] = 2e-3 if g == "N3" else _round_up(math.sqrt(2.0) * cr)
-    # Only where the floor rel does not already cover the benign candidate does the slack matter.
-    excess = [row["benign_vs_reference"] / row["control_vs_reference"] - 1.0 for row in rows
-              if row["control_vs_reference"] > 0 and row["benign_vs_reference"] > proposed[row["gate"]]]
-    worst_excess = max(excess, default=0.0)
-    proposed["slack"] = max(0.05, math.ceil(max(2 * worst_excess, 0.0) / 0.05 - 1e-9) * 0.05)
+        proposed[g] = {"rel": 2e-3 if g == "N3" else _round_up(math.sqrt(2.0) * cr),
+                       "slack": slack_from_ratio(ratios[g]["ratio"]),
+                       "benign_ratio": ratios[g]["ratio"], "benign_ratio_step": ratios[g]["step"],
+                       "control_vs_reference_max": cr}
     return {"config": config, "benign": benign, "env": r.env, "rows": rows, "proposed": proposed,
-            "worst_benign_excess": worst_excess,
+            "slack_rule": f"slack = max({SLACK_FLOOR}, {SLACK_FACTOR} * (max over steps of m(benign, ref) / "
+                          f"m(control, ref) - 1)) rounded up to {SLACK_STEP}",
             "preconditions": gates_lib.preconditions({"control": control, "reference": reference, "benign": cand}
                                                      | ({"control_again": again} if again else {})),
             "wall_s": round(__import__("time").perf_counter() - r.t0, 1)}
@@ -106,8 +139,11 @@ def main(args, api) -> int:
     print(tabulate(fmt, headers="keys", tablefmt="simple", disable_numparse=True))
     for p in res["preconditions"]:
         print(f"precondition failed: {p}")
-    print(f"worst relative excess of m(benign, reference) over m(control, reference): {res['worst_benign_excess']:.3e}")
+    print(f"slack rule: {res['slack_rule']}")
     print("proposed [gates.*] values (source: `python -m gates calibrate --config " + res["config"] + "`):")
-    for k, v in res["proposed"].items():
-        print(f"  {k} = {v:.2g}")
+    prop = [[g, f"{v['control_vs_reference_max']:.3e}", f"{v['rel']:.2g}",
+             "-" if v["benign_ratio"] is None else f"{v['benign_ratio']:.4f} (step {v['benign_ratio_step']})",
+             f"{v['slack']:.2f}"] for g, v in res["proposed"].items()]
+    print(tabulate(prop, headers=["gate", "max m(control, ref)", "rel", "max m(benign, ref) / m(control, ref)",
+                                  "slack"], tablefmt="simple", disable_numparse=True))
     return 0

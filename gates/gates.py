@@ -12,9 +12,11 @@ Every gate compares two run records at each step with a float64 metric (``gates.
 
 A gate passes at a step when
 - against the control: ``m(candidate, control) <= tol`` (``exact`` contract: the arrays it reads are bit-identical);
-- against the reference pair: ``m(candidate, reference) <= max(tol, (1 + slack) * m(control, reference))``.
+- against the reference pair: ``m(candidate, reference) <= max(tol, (1 + slack) * m(control, reference))``, with
+  ``tol`` and ``slack`` both the gate's own (``[gates.N4] rel``, ``[gates.N4] slack``).
 Preconditions (every value finite in all three records, no dropped token) fail every gate when violated.
-Tolerances come from ``fixtures/tolerances.toml`` ``[gates.*]``; nothing relaxes them at run time.
+Tolerances come from ``fixtures/tolerances.toml`` ``[gates.*]`` (each gate: rel, slack, reason, source; calibrated by
+``python -m gates calibrate``); nothing relaxes them at run time.
 """
 
 from __future__ import annotations
@@ -46,18 +48,27 @@ DEFAULT_TOLERANCES = pathlib.Path(__file__).resolve().parent.parent / "fixtures"
 # ----------------------------------------------------------------------------------------------------------- tolerances
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
-    """tol[gate] (the rounding bound against the control, the floor of the reference bound) and slack."""
+    """Per gate: ``tol[gate]`` (the rounding bound against the control, the floor of the reference bound) and
+    ``slack[gate]`` (how much farther from the float32 reference than the control a candidate may be)."""
 
     tol: Mapping[str, float]
-    slack: float
+    slack: Mapping[str, float]
     golden_rel: float
     reasons: Mapping[str, str]
     sources: Mapping[str, str]
     path: str
 
 
+def _number(key: str, field: str, value) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0) or math.isinf(value):
+        raise ValueError(f"tolerances: [gates.{key}] {field}={value!r} must be a finite number >= 0")
+    return float(value)
+
+
 def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES) -> Tolerances:
-    """Read ``[gates.N1]`` .. ``[gates.N6]``, ``[gates.slack]``, ``[gates.golden]``; each needs reason and source."""
+    """Read ``[gates.N1]`` .. ``[gates.N6]`` (each: rel, slack, reason, source) and ``[gates.golden]`` (rel, reason,
+    source). A missing section or key is refused with a ``ValueError`` naming it; so is the retired global
+    ``[gates.slack]`` (the slack is per gate: a global one would silently be ignored)."""
     path = pathlib.Path(path)
     try:
         doc = tomllib.loads(path.read_text())
@@ -66,24 +77,31 @@ def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES) -> Tolerances
     section = doc.get("gates")
     if not isinstance(section, dict):
         raise ValueError(f"tolerances: {path} has no [gates] section")
-    tol, reasons, sources = {}, {}, {}
-    for key in (*GATES, "slack", "golden"):
+    if "slack" in section:
+        raise ValueError(f"tolerances: [gates.slack] in {path} is not read: the slack is per gate "
+                         "([gates.N1] slack = ..., ... [gates.N6] slack = ...); remove it")
+    tol, slack, reasons, sources = {}, {}, {}, {}
+    for key in (*GATES, "golden"):
         entry = section.get(key)
         if not isinstance(entry, dict):
             raise ValueError(f"tolerances: [gates.{key}] missing in {path}")
-        value_key = {"slack": "slack", "golden": "rel"}.get(key, "rel")
-        for field in (value_key, "reason", "source"):
+        fields = ("rel", "slack") if key in GATES else ("rel",)
+        for field in (*fields, "reason", "source"):
             if field not in entry:
-                raise ValueError(f"tolerances: [gates.{key}] needs {field!r} (got keys {sorted(entry)})")
-        value = entry[value_key]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0) or math.isinf(value):
-            raise ValueError(f"tolerances: [gates.{key}] {value_key}={value!r} must be a finite number >= 0")
-        tol[key] = float(value)
+                raise ValueError(f"tolerances: [gates.{key}] needs {field!r} (got keys {sorted(entry)}) in {path}")
+        tol[key] = _number(key, "rel", entry["rel"])
+        if key in GATES:
+            slack[key] = _number(key, "slack", entry["slack"])
         reasons[key], sources[key] = str(entry["reason"]), str(entry["source"])
     return Tolerances(
-        tol={g: tol[g] for g in GATES}, slack=tol["slack"], golden_rel=tol["golden"], reasons=reasons,
+        tol={g: tol[g] for g in GATES}, slack=slack, golden_rel=tol["golden"], reasons=reasons,
         sources=sources, path=str(path),
     )
+
+
+def slack_text(tolerances: Tolerances) -> str:
+    """``N1 0.1, N2 0.1, ...``: the per-gate slack, for report headers."""
+    return ", ".join(f"{g} {tolerances.slack[g]:g}" for g in GATES)
 
 
 # ------------------------------------------------------------------------------------------------------- metrics
@@ -245,7 +263,7 @@ def evaluate(
             vc = metric(gate, candidate, control, i)
             vr = metric(gate, candidate, reference, i).value
             cr = metric(gate, control, reference, i).value
-            bound_ref = max(tol, (1.0 + tolerances.slack) * cr)
+            bound_ref = max(tol, (1.0 + tolerances.slack[gate]) * cr)
             ident = None
             if contract == "exact":
                 ident = bit_identical(gate, candidate, control, i)

@@ -81,7 +81,7 @@ class Report:
     # -------------------------------------------------------------------------------------------------- renders
     def table(self) -> str:
         parts = [f"nxgates: config {self.config!r} on {self.env.get('device_count')} x {self.env.get('device_kind')} "
-                 f"(jax {self.env.get('jax')}), slack {self.tolerances.slack:g}"]
+                 f"(jax {self.env.get('jax')}), slack {gates_lib.slack_text(self.tolerances)}"]
         for c in self.checks:
             parts.append("")
             parts += self.summary(c)
@@ -100,7 +100,7 @@ class Report:
         parts = [f"# nxgates report: config `{self.config}`", "",
                  f"{self.env.get('device_count')} x {self.env.get('device_kind')}, jax {self.env.get('jax')}, "
                  f"jaxlib {self.env.get('jaxlib')}; tolerances `{self.tolerances.path}`, "
-                 f"slack {self.tolerances.slack:g}.",
+                 f"slack {gates_lib.slack_text(self.tolerances)}.",
                  "", f"**{'PASS' if self.passed else 'FAIL'}**"
                  + (f" (partial: still to run {', '.join(self.pending)})" if self.pending else ""), ""]
         for c in self.checks:
@@ -121,7 +121,7 @@ class Report:
             "env": self.env,
             "wall_s": self.wall_s,
             "tolerances": {"path": self.tolerances.path, "tol": dict(self.tolerances.tol),
-                           "slack": self.tolerances.slack, "golden_rel": self.tolerances.golden_rel},
+                           "slack": dict(self.tolerances.slack), "golden_rel": self.tolerances.golden_rel},
             "golden": self.golden.as_dict() if self.golden is not None else None,
             "pending": list(self.pending),
             "checks": [

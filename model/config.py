@@ -385,12 +385,14 @@ def _check_experts_divisible_by_expert_axis(cfg, flags):
 
 @_rule
 def _check_batch_divisible_by_fsdp(cfg, flags):
-    if cfg.batch_size % flags.ici_fsdp_parallelism:
+    ranks = flags.ici_fsdp_parallelism * flags.ici_expert_parallelism
+    if cfg.batch_size % ranks:
         yield Violation(
             "batch_divisible_by_fsdp",
-            f"batch_size={cfg.batch_size} must be divisible by ici_fsdp_parallelism={flags.ici_fsdp_parallelism} "
-            "(the batch is split over the fsdp axis)",
-            ("batch_size", "ici_fsdp_parallelism"),
+            f"batch_size={cfg.batch_size} must be divisible by ici_fsdp_parallelism x ici_expert_parallelism={ranks} "
+            f"(the batch is split over the fsdp and expert axes); got ici_fsdp_parallelism="
+            f"{flags.ici_fsdp_parallelism}, ici_expert_parallelism={flags.ici_expert_parallelism}",
+            ("batch_size", "ici_fsdp_parallelism", "ici_expert_parallelism"),
         )
 
 

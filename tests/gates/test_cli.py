@@ -162,7 +162,29 @@ def test_calibrate_measures_and_proposes(tmp_path):
     assert len(rows) == 18 and not res["preconditions"]
     assert all(r["control_reproducible_bits"] and r["control_again_vs_control"] == 0.0 for r in rows)
     assert all(r["control_vs_reference"] == 0.0 for r in rows if r["gate"] == "N1")
+    prop = res["proposed"]
     for g in ("N2", "N4", "N5", "N6"):  # rel = sqrt(2) x the control's largest distance to the reference, rounded up
         worst = 2**0.5 * max(r["control_vs_reference"] for r in rows if r["gate"] == g)
-        assert worst <= res["proposed"][g] <= 1.1 * worst
-    assert res["proposed"]["N3"] == 2e-3 and res["proposed"]["slack"] >= 0.05
+        assert worst <= prop[g]["rel"] <= 1.1 * worst
+    assert prop["N3"]["rel"] == 2e-3
+    # slack per gate: max(0.1, 2 x (the benign candidate's largest ratio of distances to the reference - 1)), up to 0.05
+    for g in ("N2", "N3", "N4", "N5", "N6"):
+        ratio = max(r["benign_vs_reference"] / r["control_vs_reference"] for r in rows
+                    if r["gate"] == g and r["control_vs_reference"] > 0)
+        assert prop[g]["benign_ratio"] == ratio
+        assert prop[g]["slack"] >= max(0.1, 2 * (ratio - 1)) - 1e-12
+        assert prop[g]["slack"] < max(0.1, 2 * (ratio - 1)) + 0.05
+    assert prop["N1"]["benign_ratio"] is None and prop["N1"]["slack"] == 0.1  # m(control, reference) = 0 throughout
+
+
+def test_slack_rule():
+    from gates import calibrate
+
+    assert calibrate.slack_from_ratio(None) == 0.1
+    assert calibrate.slack_from_ratio(0.8) == 0.1  # the benign candidate was closer than the control: the floor
+    assert calibrate.slack_from_ratio(1.04) == 0.1  # 2 x 0.04 = 0.08 -> floor
+    assert calibrate.slack_from_ratio(1.29) == 0.6  # 2 x 0.29 = 0.58 -> 0.6
+    assert calibrate.slack_from_ratio(1.1) == 0.2
+    rows = [{"gate": g, "step": s, "control_vs_reference": c, "benign_vs_reference": b}
+            for g in calibrate.gates_lib.GATES for s, c, b in ((1, 2.0, 2.2), (2, 1.0, 1.3), (3, 0.0, 0.0))]
+    assert calibrate.benign_ratios(rows)["N4"] == {"ratio": 1.3, "step": 2}

@@ -194,7 +194,8 @@ REFUSALS = [
     ("tile_divides_dim", {"wi_tile_dlhs_mlp_dim": 96}, ["wi_tile_dlhs_mlp_dim=96", "moe_mlp_dim=128"]),
     ("tile_divides_dim", {"wo_tile_drhs_mlp_dim": 96}, ["wo_tile_drhs_mlp_dim=96", "moe_mlp_dim=128"]),
     ("experts_divisible_by_expert_axis", {"ici_expert_parallelism": 3}, ["num_experts=8", "ici_expert_parallelism=3"]),
-    ("batch_divisible_by_fsdp", {"ici_fsdp_parallelism": 3}, ["batch_size=4", "ici_fsdp_parallelism=3"]),
+    ("batch_divisible_by_fsdp", {"ici_fsdp_parallelism": 3},
+     ["batch_size=4", "ici_fsdp_parallelism=3", "ici_expert_parallelism=2"]),
     ("seq_divisible_by_context",
      {"ici_context_parallelism": 3, "context_parallel_attention_load_balance": False, "gdn_cp_mode": "none"},
      ["seq_len=512", "ici_context_parallelism=3"]),
@@ -274,9 +275,10 @@ def test_all_violated_rules_reported_at_once(tiny):
     with pytest.raises(ConfigError) as e:
         flags_for(tiny, flags.changed(tiny.control))
     rules = {v.rule for v in e.value.violations}
+    # expert=3 breaks two structural rules: 8 experts and a batch of 4 over fsdp x expert = 6 ranks.
     assert rules == {"router_grad_needs_fused_dswiglu", "gather8_needs_scan_layers",
-                     "experts_divisible_by_expert_axis"}, rules
-    assert "(3 rule(s))" in str(e.value)
+                     "experts_divisible_by_expert_axis", "batch_divisible_by_fsdp"}, rules
+    assert "(4 rule(s))" in str(e.value)
 
 
 # --- flags alone and the prerequisite closure
