@@ -209,10 +209,14 @@ def run_protocol(
 
     params = jax.tree.map(jnp.asarray, params)
     params0 = tree_to_named(params)
-    opt_state = opt.init(params)
-    # Every step feeds the parameters back in the layout they came in (the optimizer's outputs may come back laid out
-    # differently), so the model's program is compiled once, not again at step 2.
+    # Every step feeds the parameters (and the optimizer state) in one committed layout: the optimizer's outputs may
+    # come back laid out differently, and an uncommitted first input differs from a committed later one, either of
+    # which would compile the model's program again at step 2.
     layout = jax.tree.map(lambda x: x.sharding, params)
+    params = jax.device_put(params, layout)
+    opt_state = opt.init(params)
+    opt_layout = jax.tree.map(lambda x: x.sharding, opt_state)
+    opt_state = jax.device_put(opt_state, opt_layout)
     steps = []
     step_s = []
     t0 = time.perf_counter()
@@ -220,6 +224,7 @@ def run_protocol(
         ts = time.perf_counter()
         params, opt_state, loss, logp, grads, grad_norm, dropped = step(params, opt_state)
         params = jax.device_put(params, layout)
+        opt_state = jax.device_put(opt_state, opt_layout)
         jax.block_until_ready(params)
         step_s.append(time.perf_counter() - ts)
         steps.append(
