@@ -9,14 +9,15 @@ m(control again, control), and proposes:
   whose rounding error is as large as the control's (its distance to the float32 truth), but independent of it, is
   about sqrt(2) times that from the control; a flag that "changes the numbers by bf16 rounding" may not go farther
   (N3 stays at DESIGN.md's 2e-3; N1's measured distances are printed: the loss must not move at all);
-- ``slack[gate]``, per gate, from the benign reassociation on THAT gate: with
-  ``ratio = max over steps of m(benign, reference) / m(control, reference)`` (steps where m(control, reference) > 0),
-  ``slack = max(SLACK_FLOOR, 2 * (ratio - 1))`` rounded up to a multiple of 0.05. A rounding change as benign as a
+- ``slack[gate]``, per gate, from the benign reassociation on THAT gate. The reference bound is
+  ``max(rel, (1 + slack) * m(control, reference))``: the slack only matters at a step where the floor ``rel`` does not
+  already cover the benign candidate (m(benign, reference) > rel). With
+  ``ratio = max over those steps of m(benign, reference) / m(control, reference)``,
+  ``slack = max(SLACK_FLOOR, 2 * (ratio - 1))`` rounded up to a multiple of 0.05: a rounding change as benign as a
   re-associated accumulation went ``ratio - 1`` farther from the float32 truth than the control; twice that, because
-  one reassociation is one draw of the rounding noise. The floor (0.1) keeps a gate on which the benign candidate
-  happened to land closer to the reference than the control (ratio <= 1) from demanding that of every candidate.
-  A gate whose m(control, reference) is 0 at every step (N1) gets the floor: its reference bound is ``rel`` anyway.
-  Nothing about the mutants or the flags under test enters the rule.
+  one reassociation is one draw of the rounding noise. A gate with no such step (its floor covers the benign candidate
+  everywhere, or m(control, reference) = 0 as for N1) gets the floor SLACK_FLOOR = 0.1. The ratio over every step is
+  printed too, for the record. Nothing about the mutants or the flags under test enters the rule.
 The numbers are printed (and written to reports/calibration.json); updating the table is a deliberate edit.
 """
 
@@ -48,13 +49,14 @@ def slack_from_ratio(ratio: float | None) -> float:
     return round(max(SLACK_FLOOR, raw), 10)
 
 
-def benign_ratios(rows: list[dict]) -> dict[str, dict]:
-    """Per gate: the largest m(benign, reference) / m(control, reference) over the steps (None when the control's
-    distance is 0 at every step) and the step where it occurs."""
+def benign_ratios(rows: list[dict], rel: dict[str, float] | None = None) -> dict[str, dict]:
+    """Per gate: the largest m(benign, reference) / m(control, reference) over the steps where m(control, reference)
+    > 0 and (with ``rel``) m(benign, reference) > rel[gate]: {"ratio": float | None, "step": int | None}."""
     out = {}
     for g in gates_lib.GATES:
         cands = [(row["benign_vs_reference"] / row["control_vs_reference"], row["step"]) for row in rows
-                 if row["gate"] == g and row["control_vs_reference"] > 0]
+                 if row["gate"] == g and row["control_vs_reference"] > 0
+                 and (rel is None or row["benign_vs_reference"] > rel[g])]
         ratio, step = max(cands) if cands else (None, None)
         out[g] = {"ratio": ratio, "step": step}
     return out
@@ -105,17 +107,18 @@ def calibrate(config: str, api=None, benign: dict | None = None, *, cache_dir=No
                 "control_again_vs_control": gates_lib.metric(g, again, control, i).value if again else None,
                 "control_reproducible_bits": gates_lib.bit_identical(g, again, control, i) if again else None,
             })
-    ratios = benign_ratios(rows)
+    rel = {g: 2e-3 if g == "N3" else _round_up(math.sqrt(2.0) * max(row["control_vs_reference"] for row in rows
+                                                                     if row["gate"] == g)) for g in gates_lib.GATES}
+    every_step, uncovered = benign_ratios(rows), benign_ratios(rows, rel)
     proposed = {}
     for g in gates_lib.GATES:
-        cr = max(row["control_vs_reference"] for row in rows if row["gate"] == g)
-        proposed[g] = {"rel": 2e-3 if g == "N3" else _round_up(math.sqrt(2.0) * cr),
-                       "slack": slack_from_ratio(ratios[g]["ratio"]),
-                       "benign_ratio": ratios[g]["ratio"], "benign_ratio_step": ratios[g]["step"],
-                       "control_vs_reference_max": cr}
+        proposed[g] = {"rel": rel[g], "slack": slack_from_ratio(uncovered[g]["ratio"]),
+                       "benign_ratio": uncovered[g]["ratio"], "benign_ratio_step": uncovered[g]["step"],
+                       "benign_ratio_every_step": every_step[g]["ratio"],
+                       "control_vs_reference_max": max(row["control_vs_reference"] for row in rows if row["gate"] == g)}
     return {"config": config, "benign": benign, "env": r.env, "rows": rows, "proposed": proposed,
-            "slack_rule": f"slack = max({SLACK_FLOOR}, {SLACK_FACTOR} * (max over steps of m(benign, ref) / "
-                          f"m(control, ref) - 1)) rounded up to {SLACK_STEP}",
+            "slack_rule": f"slack = max({SLACK_FLOOR}, {SLACK_FACTOR} * (max over the steps where m(benign, ref) > rel "
+                          f"of m(benign, ref) / m(control, ref) - 1)) rounded up to {SLACK_STEP}",
             "preconditions": gates_lib.preconditions({"control": control, "reference": reference, "benign": cand}
                                                      | ({"control_again": again} if again else {})),
             "wall_s": round(__import__("time").perf_counter() - r.t0, 1)}
@@ -142,8 +145,10 @@ def main(args, api) -> int:
     print(f"slack rule: {res['slack_rule']}")
     print("proposed [gates.*] values (source: `python -m gates calibrate --config " + res["config"] + "`):")
     prop = [[g, f"{v['control_vs_reference_max']:.3e}", f"{v['rel']:.2g}",
+             "-" if v["benign_ratio_every_step"] is None else f"{v['benign_ratio_every_step']:.4f}",
              "-" if v["benign_ratio"] is None else f"{v['benign_ratio']:.4f} (step {v['benign_ratio_step']})",
              f"{v['slack']:.2f}"] for g, v in res["proposed"].items()]
-    print(tabulate(prop, headers=["gate", "max m(control, ref)", "rel", "max m(benign, ref) / m(control, ref)",
-                                  "slack"], tablefmt="simple", disable_numparse=True))
+    print(tabulate(prop, headers=["gate", "max m(control, ref)", "rel", "max ratio, every step",
+                                  "max ratio where m(benign, ref) > rel", "slack"],
+                   tablefmt="simple", disable_numparse=True))
     return 0

@@ -215,7 +215,15 @@ def run_protocol(
     layout = jax.tree.map(lambda x: x.sharding, params)
     params = jax.device_put(params, layout)
     opt_state = opt.init(params)
-    opt_layout = jax.tree.map(lambda x: x.sharding, opt_state)
+    # The optimizer's scalars (the step count) are created on one device; on a mesh, replicate them over it like the
+    # parameters so that both programs see one device set.
+    mesh = next((s.mesh for s in jax.tree.leaves(layout) if isinstance(s, jax.sharding.NamedSharding)), None)
+    opt_layout = jax.tree.map(
+        lambda x: x.sharding
+        if mesh is None or isinstance(x.sharding, jax.sharding.NamedSharding)
+        else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+        opt_state,
+    )
     opt_state = jax.device_put(opt_state, opt_layout)
     steps = []
     step_s = []

@@ -167,13 +167,17 @@ def test_calibrate_measures_and_proposes(tmp_path):
         worst = 2**0.5 * max(r["control_vs_reference"] for r in rows if r["gate"] == g)
         assert worst <= prop[g]["rel"] <= 1.1 * worst
     assert prop["N3"]["rel"] == 2e-3
-    # slack per gate: max(0.1, 2 x (the benign candidate's largest ratio of distances to the reference - 1)), up to 0.05
+    # slack per gate: max(0.1, 2 x (the benign candidate's largest ratio of distances to the reference over the steps
+    # where it exceeds rel - 1)), rounded up to 0.05; no such step: 0.1
     for g in ("N2", "N3", "N4", "N5", "N6"):
-        ratio = max(r["benign_vs_reference"] / r["control_vs_reference"] for r in rows
-                    if r["gate"] == g and r["control_vs_reference"] > 0)
-        assert prop[g]["benign_ratio"] == ratio
-        assert prop[g]["slack"] >= max(0.1, 2 * (ratio - 1)) - 1e-12
-        assert prop[g]["slack"] < max(0.1, 2 * (ratio - 1)) + 0.05
+        mine = [r for r in rows if r["gate"] == g and r["control_vs_reference"] > 0]
+        assert prop[g]["benign_ratio_every_step"] == max(r["benign_vs_reference"] / r["control_vs_reference"]
+                                                         for r in mine)
+        over = [r["benign_vs_reference"] / r["control_vs_reference"] for r in mine
+                if r["benign_vs_reference"] > prop[g]["rel"]]
+        assert prop[g]["benign_ratio"] == (max(over) if over else None)
+        expect = max(0.1, 2 * (max(over) - 1)) if over else 0.1
+        assert expect - 1e-12 <= prop[g]["slack"] < expect + 0.05
     assert prop["N1"]["benign_ratio"] is None and prop["N1"]["slack"] == 0.1  # m(control, reference) = 0 throughout
 
 
@@ -188,3 +192,6 @@ def test_slack_rule():
     rows = [{"gate": g, "step": s, "control_vs_reference": c, "benign_vs_reference": b}
             for g in calibrate.gates_lib.GATES for s, c, b in ((1, 2.0, 2.2), (2, 1.0, 1.3), (3, 0.0, 0.0))]
     assert calibrate.benign_ratios(rows)["N4"] == {"ratio": 1.3, "step": 2}
+    rel = {g: 2.1 for g in calibrate.gates_lib.GATES}  # only step 1's 2.2 exceeds the floor
+    assert calibrate.benign_ratios(rows, rel)["N4"] == {"ratio": 1.1, "step": 1}
+    assert calibrate.benign_ratios(rows, {g: 5.0 for g in rel})["N4"] == {"ratio": None, "step": None}

@@ -55,3 +55,15 @@ def test_every_real_mutant_declares_its_gates():
     for m in M.MUTANTS:
         assert m.expect_fail and m.expect_fail <= set(M.gates_lib.GATES) and m.why
         assert (m.loss_fn is None) != (m.overrides is M.Mutant.overrides)  # one injection each
+
+
+def test_override_reaches_the_candidate_only(tmp_path):
+    """With nothing cached, the control and the float32 reference are computed inside the mutant's check: the override
+    must not be active then (they would carry the bug and the candidate would match them), nor after the check."""
+    (res,) = M.run_mutants("toy", api=toy_model.api(), mutants=(TOY_MUTANTS[1],), cache_dir=str(tmp_path),
+                           progress=lambda m: None)
+    impl = res.check.implementations
+    assert impl["candidate"]["activation"] == "override:relu_instead_of_silu"
+    assert impl["control"]["activation"] == "silu" and impl["reference"]["activation"] == "silu"
+    assert res.check.records["control"] == "computed" and res.ok
+    assert toy_model._OVERRIDES == {}  # nothing left active for whatever runs next

@@ -130,3 +130,45 @@ def test_exact_flag_gives_bit_identical_run_and_is_reproducible():
         for a, b in zip(control.steps, other.steps, strict=True):
             assert a.grad_norm.tobytes() == b.grad_norm.tobytes() and a.logp.tobytes() == b.logp.tobytes()
             assert all(a.params[n].tobytes() == b.params[n].tobytes() for n in a.params)
+
+
+def test_params_on_a_mesh_run_every_step_with_one_compile_each():
+    """Parameters sharded over an 8-device mesh (as the model's are): the optimizer's scalar state must follow them
+    onto the mesh (a step count left on one device makes step 1 fail with incompatible devices), and steps 2 and 3
+    reuse the programs compiled at step 1."""
+    import logging
+
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    vocab, seq = 16, 12
+    batch = P.make_batch(8, seq, vocab, P.seed_for("mesh-B8-S12-V16"))
+    rng = np.random.default_rng(P.seed_for("mesh-params"))
+    params = {"w": rng.standard_normal((vocab, vocab)).astype(np.float32) * 0.1}
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    params = jax.device_put(params, {"w": sharding})
+
+    def log_probs(p, tokens):
+        logits = jax.nn.one_hot(tokens[:, :-1], vocab) @ p["w"]  # [B, S-1, V]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0], {"dropped_tokens": 0}
+
+    compiled = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            msg = record.getMessage()
+            if msg.startswith("Compiling") and ("grad_step" in msg or "opt_step" in msg):
+                compiled.append(msg.split(" with ")[0])
+
+    handler = _Collect()
+    logger = logging.getLogger("jax")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with jax.log_compiles(True):
+            rec = P.run_protocol(log_probs, params, batch)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert len(rec.steps) == 3 and all(np.isfinite(s.grad_norm) for s in rec.steps)
+    assert sorted(compiled) == ["Compiling jit(grad_step)", "Compiling jit(opt_step)"], compiled
