@@ -38,6 +38,10 @@ import jax
 import jax.numpy as jnp
 
 import reference
+from kernels.gdn import context_parallel
+from kernels.gdn import ops as gdn_ops
+from kernels.gmm import ops as gmm_ops
+from reference.gdn import gdn_chunked
 
 OP_NAMES = ("moe_mlp", "gdn", "gdn_cp_fold", "gdn_cp_dh_fold", "fp8_fake_quant", "fp8_amax", "lb_ids", "attention")
 
@@ -145,8 +149,6 @@ def _moe_mlp_pallas(
     *, fused_swiglu: bool, fused_dswiglu: bool, router_grad_from_wo_input: bool, tiles, interpret: bool
 ):
     """``kernels.gmm.ops.moe_mlp`` with the flags' fused paths (all off: the trainer's unfused baseline)."""
-    from kernels.gmm import ops as gmm_ops
-
     return functools.partial(
         gmm_ops.moe_mlp,
         fused_swiglu=fused_swiglu,
@@ -189,8 +191,6 @@ def _gdn_reference(*, chunk_size: int, axis_name: str | None, context_size: int)
     """``reference.gdn_chunked`` (float32) on the gathered sequence."""
 
     def gdn_reference(q, k, v, g, beta, initial_state):
-        from reference.gdn import gdn_chunked
-
         return gdn_chunked(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state)
 
     return _gathered_gdn(gdn_reference, axis_name, context_size)
@@ -199,8 +199,6 @@ def _gdn_reference(*, chunk_size: int, axis_name: str | None, context_size: int)
 @register("gdn", "xla")
 def _gdn_xla(*, chunk_size: int, axis_name: str | None, context_size: int):
     """``kernels.gdn.ops.gdn_chunk_xla`` (the trainer's bf16 XLA path) on the gathered sequence (gdn_cp_mode=none)."""
-    from kernels.gdn import ops as gdn_ops
-
     def gdn_xla(q, k, v, g, beta, initial_state):
         return gdn_ops.gdn_chunk_xla(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state)
 
@@ -210,8 +208,6 @@ def _gdn_xla(*, chunk_size: int, axis_name: str | None, context_size: int):
 @register("gdn", "cp")
 def _gdn_cp(*, chunk_size: int, axis_name: str, fold, dh_fold, interpret: bool):
     """``kernels.gdn.context_parallel.gdn_cp`` (gdn_cp_mode=seq): each rank its slice, maps folded over ranks."""
-    from kernels.gdn import context_parallel
-
     def gdn_cp(q, k, v, g, beta, initial_state):
         return context_parallel.gdn_cp(
             q, k, v, g, beta, axis_name=axis_name, fold=fold, dh_fold=dh_fold, chunk_size=chunk_size,
@@ -225,8 +221,6 @@ def _gdn_cp(*, chunk_size: int, axis_name: str, fold, dh_fold, interpret: bool):
 @register("gdn_cp_dh_fold", "tree")
 def _fold_tree():
     """``kernels.gdn.context_parallel.fold_tree``: the XLA pairwise reduction tree."""
-    from kernels.gdn import context_parallel
-
     return context_parallel.fold_tree
 
 
@@ -234,8 +228,6 @@ def _fold_tree():
 @register("gdn_cp_dh_fold", "dh_scan")
 def _fold_scan(*, interpret: bool):
     """``kernels.gdn.context_parallel.fold_scan``: one sequential Pallas scan (gdn_cp_m_scan / gdn_cp_dh_scan)."""
-    from kernels.gdn import context_parallel
-
     return functools.partial(context_parallel.fold_scan, interpret=interpret)
 
 
