@@ -2,22 +2,26 @@
 
 Four runs of the protocol on one config: the control (production bf16, the config's flags), the float32 reference, the
 control again (fresh, no cache: is the control reproducible to the bit? ``exact`` contracts rely on it) and a benign
-reassociation (a GMM k tile halved: the same arithmetic, the f32 accumulation re-associated; a ``rounding`` change
-that must pass). Per gate and step it prints m(control, reference), m(benign, control), m(benign, reference) and
+reassociation for every GMM k tile of the config, halved and doubled (the same arithmetic, the f32 accumulation
+re-associated; ``rounding`` changes that must pass; per gate and step the one farthest from the reference is kept).
+Per gate and step it prints m(control, reference), m(benign, control), m(benign, reference) and
 m(control again, control), and proposes:
-- ``rel[gate]`` = sqrt(2) * max over steps of m(control, reference), rounded up to 2 significant digits: a candidate
-  whose rounding error is as large as the control's (its distance to the float32 truth), but independent of it, is
-  about sqrt(2) times that from the control; a flag that "changes the numbers by bf16 rounding" may not go farther
-  (N3 stays at DESIGN.md's 2e-3; N1's measured distances are printed: the loss must not move at all);
+- ``rel[gate]``, one number per step: m(control, reference) at that step, rounded up to 3 significant digits. A flag
+  that "changes the numbers by bf16 rounding" must move the result less than the whole bf16 path's own error does
+  (the control's distance to the float32 truth at that step; measured: every rounding flag of tiny stays within
+  0.71 x of it on N2, N4, N5, N6). Per step, because the distances differ by step (step 1 compares the same
+  parameters; steps 2 and 3 also carry the first updates). N3 stays at DESIGN.md's 2e-3 and N1 at 0 (the loss must
+  not move; its measured distances are printed).
 - ``slack[gate]``, per gate, from the benign reassociation on THAT gate. The reference bound is
-  ``max(rel, (1 + slack) * m(control, reference))``: the slack only matters at a step where the floor ``rel`` does not
-  already cover the benign candidate (m(benign, reference) > rel). With
-  ``ratio = max over those steps of m(benign, reference) / m(control, reference)``,
+  ``max(rel, (1 + slack) * m(control, reference))``; with ``rel`` at m(control, reference) itself the slack term
+  decides at every step (except where a fixed ``rel`` is larger: N3). With
+  ``ratio = max over the steps where m(benign, reference) > rel of m(benign, reference) / m(control, reference)``,
   ``slack = max(SLACK_FLOOR, 2 * (ratio - 1))`` rounded up to a multiple of 0.05: a rounding change as benign as a
   re-associated accumulation went ``ratio - 1`` farther from the float32 truth than the control; twice that, because
-  one reassociation is one draw of the rounding noise. A gate with no such step (its floor covers the benign candidate
-  everywhere, or m(control, reference) = 0 as for N1) gets the floor SLACK_FLOOR = 0.1. The ratio over every step is
-  printed too, for the record. Nothing about the mutants or the flags under test enters the rule.
+  one reassociation is one draw of the rounding noise. No such step: the floor SLACK_FLOOR = 0.05 (with routing
+  replay the whole-model metrics N2, N4, N6 of a re-associated candidate sit within 1-2% of the control's distance
+  to the reference, so 5% is the resolution the table allows). The ratio over every step is printed too. Nothing
+  about the mutants or the flags under test enters the rule.
 The numbers are printed (and written to reports/calibration.json); updating the table is a deliberate edit.
 """
 
@@ -33,7 +37,7 @@ from gates import atomic, contracts
 from gates import gates as gates_lib
 from gates import runner as runner_lib
 
-SLACK_FLOOR = 0.1
+SLACK_FLOOR = 0.05
 SLACK_FACTOR = 2.0
 SLACK_STEP = 0.05
 
@@ -49,14 +53,33 @@ def slack_from_ratio(ratio: float | None) -> float:
     return round(max(SLACK_FLOOR, raw), 10)
 
 
-def benign_ratios(rows: list[dict], rel: dict[str, float] | None = None) -> dict[str, dict]:
+FIXED_REL = {"N3": 2e-3}  # DESIGN.md fixes N3's tolerance
+REL_DIGITS = 3
+
+
+def proposed_rel(gate: str, control_vs_reference: list[float]) -> float | list[float]:
+    """The rel rule: DESIGN.md's fixed value (N3), 0 when the control matches the reference at every step (N1), else
+    per step m(control, reference) rounded up to ``REL_DIGITS`` significant digits."""
+    if gate in FIXED_REL:
+        return FIXED_REL[gate]
+    if max(control_vs_reference) == 0.0:
+        return 0.0
+    return [_round_up(x, REL_DIGITS) for x in control_vs_reference]
+
+
+def _rel_at(rel, step: int) -> float:
+    return float(rel) if isinstance(rel, (int, float)) else float(rel[step - 1])
+
+
+def benign_ratios(rows: list[dict], rel: dict | None = None) -> dict[str, dict]:
     """Per gate: the largest m(benign, reference) / m(control, reference) over the steps where m(control, reference)
-    > 0 and (with ``rel``) m(benign, reference) > rel[gate]: {"ratio": float | None, "step": int | None}."""
+    > 0 and (with ``rel``) m(benign, reference) > rel[gate] at that step:
+    {"ratio": float | None, "step": int | None}."""
     out = {}
     for g in gates_lib.GATES:
         cands = [(row["benign_vs_reference"] / row["control_vs_reference"], row["step"]) for row in rows
                  if row["gate"] == g and row["control_vs_reference"] > 0
-                 and (rel is None or row["benign_vs_reference"] > rel[g])]
+                 and (rel is None or row["benign_vs_reference"] > _rel_at(rel[g], row["step"]))]
         ratio, step = max(cands) if cands else (None, None)
         out[g] = {"ratio": ratio, "step": step}
     return out
@@ -69,46 +92,67 @@ def _round_up(x: float, digits: int = 2) -> float:
     return math.ceil(x / 10**e - 1e-9) * 10**e
 
 
-def default_benign(r: runner_lib.Runner) -> dict:
-    """The first k-tile (``rounding``) key whose control value halves to a valid tile: {key: value // 2}."""
+def default_benign(r: runner_lib.Runner) -> list[dict]:
+    """The benign reassociations: every ``rounding`` tile key (a GMM k tile, forward or backward), halved and doubled
+    where the result is a valid tile: [{key: value}, ...]. Each is one draw of the rounding noise (the same arithmetic,
+    the f32 accumulation re-associated); the slack rule takes the worst draw: N5's worst tensor (the 4-element GDN decay
+    parameters' gradients on tiny) varies a lot from draw to draw, so one draw would underestimate it."""
     base = r.api.as_dict(r.base_flags)
+    found = []
     for key, value in base.items():
-        if not (contracts.is_tile_key(key) and contracts.contract_of(key) == "rounding") or value < 16:
+        if not (contracts.is_tile_key(key) and contracts.contract_of(key) == "rounding"):
             continue
-        try:
-            r.api.validate(r.cfg, r.flags_from({key: value // 2}))
-        except r.api.config_error:
-            continue
-        return {key: value // 2}
-    raise runner_lib.BadInput(f"config {r.config_name!r}: no k tile halves to a valid tile; pass --benign k=v")
+        for new in (value // 2, value * 2):
+            if new < 8:
+                continue
+            try:
+                r.api.validate(r.cfg, r.flags_from({key: new}))
+            except r.api.config_error:
+                continue
+            found.append({key: new})
+    if not found:
+        raise runner_lib.BadInput(f"config {r.config_name!r}: no k tile halves or doubles to a valid tile; "
+                                  "pass --benign k=v")
+    return found
 
 
-def calibrate(config: str, api=None, benign: dict | None = None, *, cache_dir=None, progress=None,
+def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *, cache_dir=None, progress=None,
               repeat: bool = True) -> dict:
     from gates import record as record_lib
 
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     r = runner_lib.Runner(config, api=api, cache=record_lib.RecordCache(cache_dir, log=progress), progress=progress)
-    benign = benign or default_benign(r)
-    benign_flags = r.flags_from(benign)
-    r.api.validate(r.cfg, benign_flags)
+    benigns = default_benign(r) if benign is None else ([benign] if isinstance(benign, dict) else list(benign))
+    benign_flags = []
+    for b in benigns:
+        flags = r.flags_from(b)
+        r.api.validate(r.cfg, flags)
+        benign_flags.append(flags)
     control, _ = r.shared_record(r.base_flags, "production", "control")
-    reference, _ = r.shared_record(r.base_flags, "reference", "reference")
+    replay = runner_lib.control_routing(control)  # the reference and the benign candidates replay the control's routing
+    reference, _ = r.shared_record(r.base_flags, "reference", "reference", replay)
     again = r.compute(r.base_flags, "production", "control again (fresh)") if repeat else None
-    cand = r.compute(benign_flags, "production", f"benign {benign}")
+    # Through the record cache, keyed like any candidate: a benign tile that is also a tuned value is shared with
+    # the gates' own check of it.
+    cands = [r.shared_record(f, "production", f"benign {b}", replay)[0] for b, f in zip(benigns, benign_flags,
+                                                                                         strict=True)]
     rows = []
     for i in range(control.num_steps):
         for g in gates_lib.GATES:
+            per = [(gates_lib.metric(g, c, control, i).value, gates_lib.metric(g, c, reference, i).value)
+                   for c in cands]
+            worst = max(range(len(per)), key=lambda j: per[j][1])  # the draw farthest from the reference
             rows.append({
                 "gate": g, "step": i + 1,
                 "control_vs_reference": gates_lib.metric(g, control, reference, i).value,
-                "benign_vs_control": gates_lib.metric(g, cand, control, i).value,
-                "benign_vs_reference": gates_lib.metric(g, cand, reference, i).value,
+                "benign_vs_control": max(p[0] for p in per),
+                "benign_vs_reference": per[worst][1],
+                "benign_worst": ",".join(f"{k}={v}" for k, v in benigns[worst].items()),
                 "control_again_vs_control": gates_lib.metric(g, again, control, i).value if again else None,
                 "control_reproducible_bits": gates_lib.bit_identical(g, again, control, i) if again else None,
             })
-    rel = {g: 2e-3 if g == "N3" else _round_up(math.sqrt(2.0) * max(row["control_vs_reference"] for row in rows
-                                                                     if row["gate"] == g)) for g in gates_lib.GATES}
+    rel = {g: proposed_rel(g, [row["control_vs_reference"] for row in rows if row["gate"] == g])
+           for g in gates_lib.GATES}
     every_step, uncovered = benign_ratios(rows), benign_ratios(rows, rel)
     proposed = {}
     for g in gates_lib.GATES:
@@ -116,11 +160,12 @@ def calibrate(config: str, api=None, benign: dict | None = None, *, cache_dir=No
                        "benign_ratio": uncovered[g]["ratio"], "benign_ratio_step": uncovered[g]["step"],
                        "benign_ratio_every_step": every_step[g]["ratio"],
                        "control_vs_reference_max": max(row["control_vs_reference"] for row in rows if row["gate"] == g)}
-    return {"config": config, "benign": benign, "env": r.env, "rows": rows, "proposed": proposed,
+    return {"config": config, "benign": benigns, "env": r.env, "rows": rows, "proposed": proposed,
             "slack_rule": f"slack = max({SLACK_FLOOR}, {SLACK_FACTOR} * (max over the steps where m(benign, ref) > rel "
                           f"of m(benign, ref) / m(control, ref) - 1)) rounded up to {SLACK_STEP}",
-            "preconditions": gates_lib.preconditions({"control": control, "reference": reference, "benign": cand}
-                                                     | ({"control_again": again} if again else {})),
+            "preconditions": gates_lib.preconditions(
+                {"control": control, "reference": reference}
+                | {f"benign {i}": c for i, c in enumerate(cands)} | ({"control_again": again} if again else {})),
             "wall_s": round(__import__("time").perf_counter() - r.t0, 1)}
 
 
@@ -144,7 +189,8 @@ def main(args, api) -> int:
         print(f"precondition failed: {p}")
     print(f"slack rule: {res['slack_rule']}")
     print("proposed [gates.*] values (source: `python -m gates calibrate --config " + res["config"] + "`):")
-    prop = [[g, f"{v['control_vs_reference_max']:.3e}", f"{v['rel']:.2g}",
+    prop = [[g, f"{v['control_vs_reference_max']:.3e}",
+             f"{v['rel']:.3g}" if isinstance(v["rel"], float) else "[" + ", ".join(f"{x:.3e}" for x in v["rel"]) + "]",
              "-" if v["benign_ratio_every_step"] is None else f"{v['benign_ratio_every_step']:.4f}",
              "-" if v["benign_ratio"] is None else f"{v['benign_ratio']:.4f} (step {v['benign_ratio_step']})",
              f"{v['slack']:.2f}"] for g, v in res["proposed"].items()]

@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--tiles", choices=("each", "grouped"), default="each",
                      help="without --flags: check each tuned tile key alone (default) or grouped by contract")
     run.add_argument("--no-cache", action="store_true", help="recompute control and reference")
+    run.add_argument("--jobs", default="2", metavar="N",
+                     help="worker processes that compute the records before the checks read them (default 2; 1: "
+                          "everything in this process)")
     run.add_argument("--tolerances", default=None, help="tolerance table (default fixtures/tolerances.toml)")
     run.add_argument("--golden-dir", default=None, help="golden records (default fixtures/golden)")
     cal = sub.add_parser("calibrate", help="measure the distances behind the tolerances")
@@ -135,10 +138,17 @@ def _run(args, api) -> int:
     from gates import runner
 
     flags = parse_flag_items(args.flags)
+    try:
+        jobs = int(args.jobs)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise runner.BadInput(f"--jobs={args.jobs!r} must be an integer >= 1")
     t0 = time.perf_counter()
-    report = runner.check(args.config, flags, api=api, tiles=args.tiles, cache_dir=args.cache_dir,
-                          use_cache=not args.no_cache, tolerances_path=args.tolerances, golden_dir=args.golden_dir,
-                          progress=_progress, on_check=lambda partial: partial.write(args.out))
+    report = runner.check(args.config, flags, api=None if api_is_default(api) else api, tiles=args.tiles,
+                          cache_dir=args.cache_dir, use_cache=not args.no_cache, tolerances_path=args.tolerances,
+                          golden_dir=args.golden_dir, progress=_progress,
+                          on_check=lambda partial: partial.write(args.out), jobs=jobs)
     json_path, md_path = report.write(args.out)
     if args.json:
         print(json.dumps(report.to_json(), indent=2, default=str))
@@ -146,6 +156,11 @@ def _run(args, api) -> int:
         print(report.table())
     _progress(f"wrote {json_path} and {md_path} ({time.perf_counter() - t0:.1f}s)")
     return EXIT_PASS if report.passed else EXIT_FAIL
+
+
+def api_is_default(api) -> bool:
+    """Whether ``api`` is the real model package's (worker processes can only rebuild that one)."""
+    return getattr(api, "load_config", None) is getattr(sys.modules.get("model.config"), "load_config", object())
 
 
 def _list_flags(args, api) -> int:

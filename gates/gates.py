@@ -12,6 +12,7 @@ Every gate compares two run records at each step with a float64 metric (``gates.
 
 A gate passes at a step when
 - against the control: ``m(candidate, control) <= tol`` (``exact`` contract: the arrays it reads are bit-identical);
+  ``tol`` is the gate's ``rel``, one number or one per step;
 - against the reference pair: ``m(candidate, reference) <= max(tol, (1 + slack) * m(control, reference))``, with
   ``tol`` and ``slack`` both the gate's own (``[gates.N4] rel``, ``[gates.N4] slack``).
 Preconditions (every value finite in all three records, no dropped token) fail every gate when violated.
@@ -48,15 +49,26 @@ DEFAULT_TOLERANCES = pathlib.Path(__file__).resolve().parent.parent / "fixtures"
 # ----------------------------------------------------------------------------------------------------------- tolerances
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
-    """Per gate: ``tol[gate]`` (the rounding bound against the control, the floor of the reference bound) and
-    ``slack[gate]`` (how much farther from the float32 reference than the control a candidate may be)."""
+    """Per gate: ``tol[gate]`` (the rounding bound against the control, the floor of the reference bound): one number
+    for every step, or a tuple with one number per step (``tol_at``); ``slack[gate]`` (how much farther from the
+    float32 reference than the control a candidate may be)."""
 
-    tol: Mapping[str, float]
+    tol: Mapping[str, float | tuple[float, ...]]
     slack: Mapping[str, float]
     golden_rel: float
     reasons: Mapping[str, str]
     sources: Mapping[str, str]
     path: str
+
+    def tol_at(self, gate: str, step: int) -> float:
+        """The tolerance of ``gate`` at ``step`` (1-based); a per-step table must cover the step."""
+        t = self.tol[gate]
+        if isinstance(t, (int, float)):
+            return float(t)
+        if not 1 <= step <= len(t):
+            raise ValueError(f"tolerances: [gates.{gate}] rel has {len(t)} per-step values, no value for step {step} "
+                             f"({self.path})")
+        return float(t[step - 1])
 
 
 def _number(key: str, field: str, value) -> float:
@@ -89,7 +101,13 @@ def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES) -> Tolerances
         for field in (*fields, "reason", "source"):
             if field not in entry:
                 raise ValueError(f"tolerances: [gates.{key}] needs {field!r} (got keys {sorted(entry)}) in {path}")
-        tol[key] = _number(key, "rel", entry["rel"])
+        rel = entry["rel"]
+        if isinstance(rel, list) and key in GATES:
+            if not rel:
+                raise ValueError(f"tolerances: [gates.{key}] rel=[] needs one number per step in {path}")
+            tol[key] = tuple(_number(key, f"rel[{i}]", v) for i, v in enumerate(rel))
+        else:
+            tol[key] = _number(key, "rel", rel)
         if key in GATES:
             slack[key] = _number(key, "slack", entry["slack"])
         reasons[key], sources[key] = str(entry["reason"]), str(entry["source"])
@@ -255,7 +273,7 @@ def evaluate(
     results = []
     for i in range(control.num_steps):
         for gate in GATES:
-            tol = tolerances.tol[gate]
+            tol = tolerances.tol_at(gate, i + 1)
             if not shape_ok:
                 results.append(GateResult(gate, i + 1, math.inf, math.inf, math.inf, tol, tol, None, False, False, None,
                                           "records do not line up"))

@@ -7,6 +7,17 @@ global-norm gradient clipping (optax). The loss value then depends only on the a
 carries the kernels' numerics. ``run_protocol`` returns a ``gates.record.RunRecord`` with every step's loss, per-token
 log-probs, gradient, its global norm and the parameters after the update.
 
+Routing replay (``run_protocol(..., replay=...)``): the MoE's top-k choice is discrete, and any rounding difference
+upstream of a router flips the choice of the tokens nearest a tie (measured on tiny: the float32 reference would route
+163 of 8192 (layer, token) pairs differently from the bf16 control at step 1, the fused SwiGLU candidate 66). A flipped
+token moves its whole gradient contribution to another expert: with one random advantage per sequence that is about
+1/sqrt(tokens) of the gradient per flip, so without replay the gates would measure routing flips, not the flag
+(control vs reference, whole gradient, step 1: 8.2e-2 without replay and with the remat recompute free to re-route,
+3.7e-2 with replay and the routing kept by the remat policy, ``model/transformer.py``).
+So the control routes by its own top-k and records the experts it used at every step; the float32 reference and every
+candidate replay them (their routing weights stay their own softmax probabilities, so the routers' numerics and
+gradients are still compared). The report gives, per step, how many choices the candidate would have made differently.
+
 The model is reached through a ``ModelAPI`` (the functions of ``model.config`` / ``model.transformer`` /
 ``model.sharding`` / ``model.ops``), so the same runner drives the real model and the toy model of the unit tests.
 """
@@ -16,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -171,19 +182,38 @@ def run_protocol(
     loss_fn: LossFn = grpo_loss,
     progress: Callable[[str], None] | None = None,
     label: str = "run",
+    replay: Sequence[np.ndarray] | None = None,
 ) -> record_lib.RunRecord:
     """Run ``settings.steps`` optimizer steps of the RL loss and record every step.
 
     log_probs_fn(params, tokens[B, S]) -> (logp[B, S-1] f32, aux with "dropped_tokens"). ``loss_fn`` has
     ``grpo_loss``'s signature (the mutants replace it). ``params`` is the float32 initial pytree.
+
+    Routing replay: a model with discrete routing exposes ``log_probs_fn.routing_shape`` and takes
+    ``log_probs_fn(params, tokens, (ids, on))``; its aux then carries "routing" (the experts used) and
+    "routing_mismatch", recorded per step. ``replay=None``: every step routes by its own top-k (the control);
+    ``replay=[ids of step 1, ...]``: step i uses those experts (the candidate and the reference replay the control's).
+    Both run the same program (``on`` is data), so an exact flag stays bit-identical under replay.
     """
     tokens = jnp.asarray(batch.tokens)
     mask = jnp.asarray(batch.completion_mask)
     adv = jnp.asarray(batch.advantages)
     opt = make_optimizer(settings)
+    routing_shape = getattr(log_probs_fn, "routing_shape", None)
+    if replay is not None:
+        if routing_shape is None:
+            raise ValueError("run_protocol: replay given, but log_probs_fn has no routing_shape (no routing to replay)")
+        if len(replay) != settings.steps:
+            raise ValueError(f"run_protocol: replay has {len(replay)} steps, settings.steps={settings.steps}")
+        for i, ids in enumerate(replay):
+            if tuple(np.shape(ids)) != tuple(routing_shape):
+                raise ValueError(f"run_protocol: replay[{i}].shape={tuple(np.shape(ids))} must be {routing_shape}")
 
-    def objective(p):
-        logp, aux = log_probs_fn(p, tokens)
+    def objective(p, routing):
+        if routing_shape is None:
+            logp, aux = log_probs_fn(p, tokens)
+        else:
+            logp, aux = log_probs_fn(p, tokens, routing)
         loss = loss_fn(logp, jax.lax.stop_gradient(logp), adv, mask, ratio_clip=settings.ratio_clip)
         return loss, (logp, aux)
 
@@ -191,10 +221,13 @@ def run_protocol(
     # the optimizer's own reductions (the global norm, the clipping) compile to the same program for every run and an
     # `exact` flag that leaves the gradient bit-identical also leaves the update bit-identical.
     @jax.jit
-    def grad_step(p):
-        (loss, (logp, aux)), grads = jax.value_and_grad(objective, has_aux=True)(p)
-        dropped = jnp.asarray(aux.get("dropped_tokens", 0), jnp.int32) if isinstance(aux, Mapping) else jnp.int32(0)
-        return loss, logp, grads, dropped
+    def grad_step(p, routing):
+        (loss, (logp, aux)), grads = jax.value_and_grad(objective, has_aux=True)(p, routing)
+        aux = aux if isinstance(aux, Mapping) else {}
+        dropped = jnp.asarray(aux.get("dropped_tokens", 0), jnp.int32)
+        used = aux.get("routing")
+        mismatch = jnp.asarray(aux.get("routing_mismatch", 0), jnp.int32)
+        return loss, logp, grads, dropped, used, mismatch
 
     @jax.jit
     def opt_step(p, opt_state, grads):
@@ -202,10 +235,17 @@ def run_protocol(
         updates, opt_state = opt.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, grad_norm
 
-    def step(p, opt_state):
-        loss, logp, grads, dropped = grad_step(p)
+    def routing_arg(i):
+        if routing_shape is None:
+            return None
+        if replay is None:
+            return jnp.zeros(routing_shape, jnp.int32), jnp.bool_(False)
+        return jnp.asarray(replay[i], jnp.int32), jnp.bool_(True)
+
+    def step(p, opt_state, i):
+        loss, logp, grads, dropped, used, mismatch = grad_step(p, routing_arg(i))
         p, opt_state, grad_norm = opt_step(p, opt_state, grads)
-        return p, opt_state, loss, logp, grads, grad_norm, dropped
+        return p, opt_state, loss, logp, grads, grad_norm, dropped, used, mismatch
 
     params = jax.tree.map(jnp.asarray, params)
     params0 = tree_to_named(params)
@@ -230,7 +270,7 @@ def run_protocol(
     t0 = time.perf_counter()
     for i in range(settings.steps):
         ts = time.perf_counter()
-        params, opt_state, loss, logp, grads, grad_norm, dropped = step(params, opt_state)
+        params, opt_state, loss, logp, grads, grad_norm, dropped, used, mismatch = step(params, opt_state, i)
         params = jax.device_put(params, layout)
         opt_state = jax.device_put(opt_state, opt_layout)
         jax.block_until_ready(params)
@@ -243,11 +283,14 @@ def run_protocol(
                 grad_norm=np.asarray(grad_norm),
                 params=tree_to_named(params),
                 dropped_tokens=int(dropped),
+                routing=None if used is None else np.asarray(used, np.int32),
+                routing_mismatch=int(mismatch),
             )
         )
         if progress is not None:
+            replayed = f" routing replayed ({int(mismatch)} own choices differ)" if replay is not None else ""
             progress(f"{label}: step {i + 1}/{settings.steps} loss={float(loss):.6g} "
-                     f"grad_norm={float(grad_norm):.6g} elapsed {time.perf_counter() - t0:.1f}s")
+                     f"grad_norm={float(grad_norm):.6g}{replayed} elapsed {time.perf_counter() - t0:.1f}s")
     meta = dict(metadata or {})
     meta.setdefault("settings", settings.as_dict())
     meta.setdefault("batch_seed", batch.seed)

@@ -27,13 +27,15 @@ import numpy as np
 
 from gates import atomic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-step routing (the experts used) and routing_mismatch
 
 
 @dataclasses.dataclass
 class StepRecord:
     """One optimizer step. loss, grad_norm: 0-d float32 arrays (exact bits kept); logp: [B, S-1] f32;
-    grads, params: {name: array} (params after this step's update)."""
+    grads, params: {name: array} (params after this step's update); routing: the experts every MoE layer used
+    (int32 [G, 4, B, S, k]; None for a model without routing); routing_mismatch: (layer, token) pairs whose own top-k
+    differed from the replayed one (0 without replay)."""
 
     loss: np.ndarray
     logp: np.ndarray
@@ -41,6 +43,8 @@ class StepRecord:
     grad_norm: np.ndarray
     params: dict[str, np.ndarray]
     dropped_tokens: int
+    routing: np.ndarray | None = None
+    routing_mismatch: int = 0
 
 
 @dataclasses.dataclass
@@ -68,6 +72,9 @@ class RunRecord:
             out[f"step{i}/logp"] = s.logp
             out[f"step{i}/grad_norm"] = np.asarray(s.grad_norm)
             out[f"step{i}/dropped_tokens"] = np.asarray(s.dropped_tokens, np.int64)
+            out[f"step{i}/routing_mismatch"] = np.asarray(s.routing_mismatch, np.int64)
+            if s.routing is not None:
+                out[f"step{i}/routing"] = s.routing
             for name, a in s.grads.items():
                 out[f"step{i}/grads/{name}"] = a
             for name, a in s.params.items():
@@ -89,6 +96,8 @@ class RunRecord:
                     grad_norm=np.asarray(arrays[f"step{i}/grad_norm"]),
                     params={k[len(p):]: arrays[k] for k in arrays if k.startswith(p)},
                     dropped_tokens=int(arrays[f"step{i}/dropped_tokens"]),
+                    routing=np.asarray(arrays[f"step{i}/routing"]) if f"step{i}/routing" in arrays else None,
+                    routing_mismatch=int(arrays[f"step{i}/routing_mismatch"]),
                 )
             )
         rec = cls(params0=params0, steps=steps, mask=np.asarray(arrays["mask"]), metadata=metadata)

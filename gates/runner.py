@@ -13,6 +13,7 @@ The model is reached through ``ModelAPI``; ``default_model_api()`` wires the rea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import pathlib
 import platform
@@ -20,6 +21,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import numpy as np
 
 from gates import contracts as contracts_lib
 from gates import gates as gates_lib
@@ -30,6 +33,21 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Source folders whose code determines a run record (a change invalidates the cache).
 SOURCE_DIRS = ("reference", "kernels", "model")
 SOURCE_FILES = ("gates/protocol.py",)
+
+
+def control_routing(control: record_lib.RunRecord) -> list | None:
+    """The control's per-step routing for the other runs to replay (None for a model without routing)."""
+    routes = [s.routing for s in control.steps]
+    return None if any(r is None for r in routes) else routes
+
+
+def routing_digest(replay) -> str:
+    h = hashlib.sha256()
+    for ids in replay:
+        a = np.ascontiguousarray(np.asarray(ids, np.int32))
+        h.update(repr(a.shape).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
 
 
 class BadInput(ValueError):
@@ -157,6 +175,9 @@ class CheckResult:
     implementations: dict
     records: dict  # label -> how it was obtained ("cached" / "computed" / "recomputed: ...")
     wall_s: float
+    # Routing replay: per step, the (layer, token) pairs whose own top-k differed from the control's replayed choice,
+    # {"candidate": [...], "reference": [...]}; empty for a model without routing.
+    routing_mismatch: dict = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -256,8 +277,8 @@ class Runner:
             self._params0 = self.api.init_params(self.cfg, self.seeds["params"])
         return self._params0
 
-    def key_parts(self, flags, precision: str) -> dict:
-        return {
+    def key_parts(self, flags, precision: str, replay=None) -> dict:
+        parts = {
             "kind": "run-record",
             "config": self.config_name,
             "config_values": self.api.as_dict(self.cfg),
@@ -268,8 +289,12 @@ class Runner:
             "env": self.env,
             "source_sha256": self._src_hash,
         }
+        if replay is not None:  # a replaying run depends on the routing it replays
+            parts["routing_replay_sha256"] = routing_digest(replay)
+        return parts
 
-    def compute(self, flags, precision: str, label: str, *, loss_fn=protocol.grpo_loss) -> record_lib.RunRecord:
+    def compute(self, flags, precision: str, label: str, *, loss_fn=protocol.grpo_loss,
+                replay=None) -> record_lib.RunRecord:
         self.progress(f"[{time.perf_counter() - self.t0:7.1f}s] {label}: tracing + compiling ({precision})")
         mesh = self.api.make_mesh(flags)
         fn = self.api.build_log_probs(self.cfg, flags, precision=precision, mesh=mesh)
@@ -284,23 +309,26 @@ class Runner:
         def progress(msg):
             self.progress(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}")
 
+        if replay is not None:
+            meta["routing_replay_sha256"] = routing_digest(replay)
         rec = protocol.run_protocol(fn, params, self.batch, self.settings, metadata=meta, loss_fn=loss_fn,
-                                    progress=progress, label=label)
+                                    progress=progress, label=label, replay=replay)
         rec.metadata["implementations"] = dict(self.api.implementations())
         rec.metadata["run_s"] = round(time.perf_counter() - t, 3)
         return rec
 
-    def shared_record(self, flags, precision: str, label: str) -> tuple[record_lib.RunRecord, str]:
-        """Control or reference: once per (flags, precision) in this process, and through the disk cache."""
-        parts = self.key_parts(flags, precision)
+    def shared_record(self, flags, precision: str, label: str, replay=None) -> tuple[record_lib.RunRecord, str]:
+        """Control or reference: once per (flags, precision, replayed routing) in this process, and through the disk
+        cache."""
+        parts = self.key_parts(flags, precision, replay)
         k = record_lib.key_digest(parts)
         if k in self._records:
             return self._records[k][0], "shared (computed for an earlier check)"
+        compute = functools.partial(self.compute, flags, precision, label, replay=replay)
         if self.use_cache:
-            self._records[k] = self.cache.get_or_compute(parts, lambda: self.compute(flags, precision, label),
-                                                         label=label)
+            self._records[k] = self.cache.get_or_compute(parts, compute, label=label)
         else:
-            self._records[k] = (self.compute(flags, precision, label), "computed")
+            self._records[k] = (compute(), "computed")
         return self._records[k]
 
     # ---------------------------------------------------------------------------------------------------- checks
@@ -311,18 +339,21 @@ class Runner:
         t = time.perf_counter()
         control_flags, candidate_flags = self.resolve(spec)
         control, how_c = self.shared_record(control_flags, "production", f"control[{spec.name}]")
-        reference, how_r = self.shared_record(control_flags, "reference", f"reference[{spec.name}]")
+        # Routing replay: the reference and the candidate take the control's expert choices at every step.
+        replay = control_routing(control)
+        reference, how_r = self.shared_record(control_flags, "reference", f"reference[{spec.name}]", replay)
         label = f"candidate[{spec.name}]"
         if candidate_context is None and candidate_loss_fn is protocol.grpo_loss:
             # A plain candidate is determined by its key like the control: cached too (re-running a check after a
             # tolerance edit costs no model run). A mutated one (override, loss) never goes near the cache.
-            candidate, how_cand = self.shared_record(candidate_flags, "production", label)
+            candidate, how_cand = self.shared_record(candidate_flags, "production", label, replay)
         elif candidate_context is None:
-            candidate = self.compute(candidate_flags, "production", label, loss_fn=candidate_loss_fn)
+            candidate = self.compute(candidate_flags, "production", label, loss_fn=candidate_loss_fn, replay=replay)
             how_cand = "computed"
         else:
             with candidate_context:
-                candidate = self.compute(candidate_flags, "production", label, loss_fn=candidate_loss_fn)
+                candidate = self.compute(candidate_flags, "production", label, loss_fn=candidate_loss_fn,
+                                         replay=replay)
             how_cand = "computed"
         results, problems = gates_lib.evaluate(candidate, control, reference, spec.contract, self.tolerances)
         return CheckResult(
@@ -336,6 +367,9 @@ class Runner:
                              "reference": reference.metadata.get("implementations", {})},
             records={"control": how_c, "reference": how_r, "candidate": how_cand},
             wall_s=round(time.perf_counter() - t, 2),
+            routing_mismatch={} if replay is None else {
+                "candidate": [s.routing_mismatch for s in candidate.steps],
+                "reference": [s.routing_mismatch for s in reference.steps]},
         )
 
     def base_control(self) -> tuple[record_lib.RunRecord, str] | None:
@@ -357,11 +391,13 @@ def check(
     golden_dir: str | None = None,
     progress: Callable[[str], None] | None = _stderr,
     on_check: Callable[[Any], None] | None = None,
+    jobs: int = 1,
 ):
     """Run the gates: ``flags=None`` checks every registered flag alone and the tuned combination; otherwise one check
     of ``flags`` ({key: value or string}). Returns a ``gates.report.Report``. Bad input raises ``ConfigError`` (from
     model.config) or ``BadInput``, both ``ValueError``, before anything is computed. ``on_check(partial_report)`` is
-    called after each check (the CLI writes the reports so far)."""
+    called after each check (the CLI writes the reports so far). ``jobs > 1`` (with the cache and the real model):
+    the records are computed first by that many worker processes (``prefetch``), then the checks read them."""
     from gates import golden as golden_lib
     from gates import report as report_lib
 
@@ -374,6 +410,8 @@ def check(
         runner.resolve(spec)
     if progress:
         progress(f"config {config!r}: {len(specs)} check(s): " + ", ".join(f"{s.name} ({s.contract})" for s in specs))
+    if jobs > 1 and use_cache and api is None:
+        prefetch(runner, specs, jobs, cache_dir)
     checks = []
     for spec in specs:
         checks.append(runner.run_check(spec))
@@ -387,3 +425,49 @@ def check(
         gold = golden_lib.compare_with_golden(config, base[0], tols, golden_dir=golden_dir)
     return report_lib.Report(config=config, checks=checks, golden=gold, env=runner.env, tolerances=tols,
                              wall_s=round(time.perf_counter() - runner.t0, 2))
+
+
+# ------------------------------------------------------------------------------------------------------------ prefetch
+def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str) -> str:
+    """Worker process: one record into the cache (``overrides=None``: the float32 reference), replaying the
+    control's routing read from the cache. Returns how the record was obtained."""
+    r = Runner(config, settings=protocol.ProtocolSettings(**settings),
+               cache=record_lib.RecordCache(cache_dir, log=lambda m: None),
+               progress=lambda m: _stderr(f"  [{label}] {m.split('] ', 1)[-1]}"))
+    control, _ = r.shared_record(r.base_flags, "production", "control")
+    replay = control_routing(control)
+    if overrides is None:
+        return r.shared_record(r.base_flags, "reference", label, replay)[1]
+    return r.shared_record(r.flags_from(overrides), "production", label, replay)[1]
+
+
+def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None) -> None:
+    """Compute the control here, then the reference and every candidate of ``specs`` in ``jobs`` worker processes,
+    into the record cache (compilation is single-threaded, so two processes on two cores roughly halve the wall time).
+    Only the candidates with a config's default control are prefetched; a worker's failure is reported and the check
+    computes the record itself later."""
+    import concurrent.futures
+    import multiprocessing
+
+    runner.shared_record(runner.base_flags, "production", "control")
+    base = runner.api.as_dict(runner.base_flags)
+    jobs_list = [(None, "reference")]
+    for spec in specs:
+        control_flags, candidate_flags = runner.resolve(spec)
+        if runner.api.as_dict(control_flags) != base:
+            continue
+        jobs_list.append((runner.api.as_dict(candidate_flags), f"candidate[{spec.name}]"))
+    t = time.perf_counter()
+    runner.progress(f"[{t - runner.t0:7.1f}s] prefetch: {len(jobs_list)} records in {jobs} worker processes")
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        settings = runner.settings.as_dict()
+        futures = {pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label): label
+                   for ov, label in jobs_list}
+        for fut in concurrent.futures.as_completed(futures):
+            label = futures[fut]
+            try:
+                how = fut.result()
+                runner.progress(f"[{time.perf_counter() - runner.t0:7.1f}s] prefetch: {label} {how.split(' (')[0]}")
+            except Exception as e:  # the check recomputes it; nothing is trusted from a failed worker
+                runner.progress(f"prefetch: {label} failed in its worker ({type(e).__name__}: {e}); computed later")

@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 import reference
 from model import ops
@@ -118,14 +119,28 @@ def expert_weight(ctx: Ctx, W: Weights, name: str, hoisted, like):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def route(ctx: Ctx, h_td, w_router):
-    """Top-k softmax routing in float32: ``(weights [T, k] f32 renormalized, experts [T, k] int32)``."""
+ROUTING_NAME = "moe_routing"  # the remat name of the routing decision
+
+
+def route(ctx: Ctx, h_td, w_router, replay=None):
+    """Top-k softmax routing in float32: ``(weights [T, k] f32 renormalized, experts [T, k] int32, own [T, k] int32)``.
+
+    ``own`` is this run's top-k. ``replay``: ``None``, or ``(ids [T, k] int32, on: bool scalar)``: where ``on``, the
+    experts are ``ids`` (another run's choice, routing replay) instead of ``own``. Either way the weights are this run's
+    own softmax probabilities at the chosen experts, renormalized, so the router's numerics and gradient stay this
+    run's; only the discrete choice is shared. The selection is an integer ``where``: the same program whether or not
+    replay is on, and with ``ids == own`` the result is bit-identical to no replay.
+    """
     prec = jax.lax.Precision.HIGHEST
     logits = jnp.einsum("TD,DE->TE", h_td.astype(F32), w_router.astype(F32), precision=prec)  # [T, E]
     probs = jax.nn.softmax(logits, axis=-1)
-    top_w, top_e = jax.lax.top_k(probs, ctx.dims.top_k)  # [T, k]
+    own = jax.lax.top_k(jax.lax.stop_gradient(probs), ctx.dims.top_k)[1].astype(jnp.int32)  # [T, k]
+    top_e = own if replay is None else jnp.where(replay[1], replay[0], own)
+    # Saved by every remat policy (model.transformer._remat_policy): the backward uses the experts the forward chose.
+    top_e = checkpoint_name(top_e, ROUTING_NAME)
+    top_w = jnp.take_along_axis(probs, top_e, axis=-1)  # [T, k]
     top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
-    return top_w, top_e.astype(jnp.int32)
+    return top_w, top_e, own
 
 
 def _moe_impl(ctx: Ctx):
@@ -145,13 +160,18 @@ def _moe_impl(ctx: Ctx):
     )
 
 
-def moe_block(ctx: Ctx, W: Weights, h, hoisted_wi=None, hoisted_wo=None):
-    """MoE on the normalized input ``h [B, S_local, D]``; returns ``(y [B, S_local, D], dropped int32 scalar)``."""
+def moe_block(ctx: Ctx, W: Weights, h, hoisted_wi=None, hoisted_wo=None, replay=None):
+    """MoE on the normalized input ``h [B, S_local, D]``; returns ``(y [B, S_local, D], dropped int32 scalar,
+    own [B, S_local, k] int32)``: ``own`` is this run's top-k choice; ``replay``: ``(ids [B, S_local, k], on)``
+    (``route``).
+    """
     d = ctx.dims
     b, s_local, dm = h.shape
     k = d.top_k
     h_td = h.reshape(b * s_local, dm)  # [T, D] local tokens
-    top_w, top_e = route(ctx, h_td, W("router", F32))
+    if replay is not None:
+        replay = (replay[0].reshape(b * s_local, k), replay[1])
+    top_w, top_e, own = route(ctx, h_td, W("router", F32), replay)
     ep, e_local = ctx.expert, d.num_experts // ctx.expert
     if ep > 1:
         # every expert rank sees the tokens of all expert ranks (rank-major), [N = ep * T, ...]
@@ -190,7 +210,7 @@ def moe_block(ctx: Ctx, W: Weights, h, hoisted_wi=None, hoisted_wo=None):
     shared = ctx.dot("TF,FD->TD", h_shared, W("shared_wo"), out_dtype=F32)  # [T, D]
     shared_gate = jax.nn.sigmoid(ctx.dot("TD,DO->TO", h_td, W("shared_gate"), out_dtype=F32))  # [T, 1]
     y = (y_tok + shared_gate * shared).astype(ctx.cdt)
-    return y.reshape(b, s_local, dm), dropped
+    return y.reshape(b, s_local, dm), dropped, own.reshape(b, s_local, k)
 
 
 def rms(ctx, x, scale):

@@ -4,8 +4,13 @@ Public API (``/work/notes/interfaces.md``):
 
 - ``init_params(cfg, seed) -> params``: nested dict of float32 arrays (the master weights); names are the ``/``-joined
   keys, e.g. ``layers/layer_0/gdn/q_proj`` (stacked: leading dim = number of layer groups).
-- ``build_log_probs(cfg, flags, *, precision, mesh) -> fn(params, tokens[B, S] int32) -> (logp[B, S-1] f32, aux)``,
-  ``logp[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1])``, ``aux = {"dropped_tokens": int32 scalar}``.
+- ``build_log_probs(cfg, flags, *, precision, mesh) -> fn(params, tokens[B, S] int32, routing=None) -> (logp[B, S-1]
+  f32, aux)``, ``logp[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1])``, ``aux = {"dropped_tokens": int32 scalar,
+  "routing": int32 [G, 4, B, S, k] (the experts each token used, per layer), "routing_mismatch": int32 scalar}``.
+  Routing replay: ``routing=(ids [G, 4, B, S, k], on)`` (``fn.routing_shape``); where ``on``, every MoE layer uses
+  ``ids`` instead of its own top-k (``model.moe.route``), and ``routing_mismatch`` counts the (layer, token) pairs
+  whose own top-k set differs from ``ids``. The same program runs with ``on`` false (no replay): the gates' control
+  records its routing that way and the candidate and the float32 reference replay it (``gates/protocol.py``).
 
 Structure: embedding -> ``num_layers`` pre-norm residual blocks (mixer in the pattern gdn, gdn, gdn, attention; each
 followed by a MoE block) -> final RMSNorm -> untied LM head -> ``log_softmax`` in float32.
@@ -55,7 +60,7 @@ from model.layers import (
     rms_norm,
     zigzag_order,
 )
-from model.moe import hoist_fp8, moe_block, moe_param_shapes
+from model.moe import ROUTING_NAME, hoist_fp8, moe_block, moe_param_shapes
 
 PRECISIONS = ("production", "reference")
 # check_vma=False: the Pallas kernels' pallas_calls declare their outputs without a manual_axis_type, which
@@ -125,19 +130,26 @@ def init_params(cfg, seed: int) -> dict:
 
 
 def _remat_policy(flags):
+    """The layer's remat policy. Every policy also keeps the MoE routing decision (``moe_routing``, int32 [T, k] per
+    layer, ``model.moe.route``): the backward's recompute of a layer is not bit-identical to its forward (XLA compiles
+    it into another program), and at a near-tie the recomputed top-k would choose other experts than the forward did,
+    so the backward would differentiate a routing the forward never took (measured on the reduced tiny config: up to
+    0.19 rel L2 on one layer's expert gradients, tests/model/test_transformer.py)."""
     cp = jax.checkpoint_policies
     if flags.remat_policy == "full":
-        return cp.nothing_saveable
-    if flags.remat_policy == "minimal":
-        return cp.dots_with_no_batch_dims_saveable
-    if flags.remat_policy == "custom":
+        base = cp.nothing_saveable
+    elif flags.remat_policy == "minimal":
+        base = cp.dots_with_no_batch_dims_saveable
+    elif flags.remat_policy == "custom":
         names = []
         if flags.query_proj == "device":
             names.append("query_proj")
         if flags.query_proj_kernel_gather_once:
             names.append("query_proj_kernel")
-        return cp.save_only_these_names(*names)
-    raise ValueError(f"remat_policy={flags.remat_policy!r} must be 'full', 'minimal' or 'custom'")
+        base = cp.save_only_these_names(*names)
+    else:
+        raise ValueError(f"remat_policy={flags.remat_policy!r} must be 'full', 'minimal' or 'custom'")
+    return cp.save_from_both_policies(base, cp.save_only_these_names(ROUTING_NAME))
 
 
 def _local_gather_dims(spec_tree) -> dict:
@@ -185,7 +197,7 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
     batch_ranks = sizes["fsdp"] * sizes["expert"]
     seq_multiple = sizes["context"] * (2 if lb else 1)
 
-    def layer(kind, i, x, lp, hoisted, ids):
+    def layer(kind, i, x, lp, hoisted, ids, replay):
         gd = gdims[f"layer_{i}"]
         Wx = Weights(ctx, lp[kind], gd[kind])
         h = rms_norm(x, Wx("norm", F32), dims.norm_eps, ctx.cdt)
@@ -194,16 +206,17 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
         Wm = Weights(ctx, lp["moe"], gd["moe"])
         h = rms_norm(x, Wm("norm", F32), dims.norm_eps, ctx.cdt)
         hoisted_wi, hoisted_wo = (None, None) if hoisted is None else (hoisted["wi"], hoisted["wo"])
-        y, dropped = moe_block(ctx, Wm, h, hoisted_wi, hoisted_wo)
-        return x + y, dropped
+        y, dropped, own = moe_block(ctx, Wm, h, hoisted_wi, hoisted_wo, replay)
+        return x + y, (dropped, own)
 
     layer_fns = [
         jax.checkpoint(functools.partial(layer, kind, i), policy=policy, prevent_cse=not flags.scan_layers)
         for i, kind in enumerate(PATTERN)
     ]
 
-    def local_forward(params, tokens, targets):
-        """Per device: ``tokens, targets [B_local, S_local]`` -> ``(logp [B_local, S_local], dropped)``."""
+    def local_forward(params, tokens, targets, replay_ids, replay_on):
+        """Per device: ``tokens, targets [B_local, S_local]``, ``replay_ids [G, P, B_local, S_local, k]`` ->
+        ``(logp [B_local, S_local], dropped, own routing [G, P, B_local, S_local, k])``."""
         table = Weights(ctx, params["embed"], {"embedding": sh.gather_dim(specs["embed"]["embedding"])})("embedding")
         x = jnp.take(table, tokens, axis=0)  # [B_l, S_l, D]
         ids = attention_ids(ctx, hoisted=True) if hoist_ids else None
@@ -217,22 +230,29 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
             }
 
         def group(x, xs):
-            gp, hg = xs
+            gp, hg, rg = xs  # rg: this group's replayed routing [P, B_l, S_l, k]
             dropped = jnp.int32(0)
+            owns = []
             for i in range(len(PATTERN)):
-                x, dr = layer_fns[i](x, gp[f"layer_{i}"], None if hg is None else hg[f"layer_{i}"], ids)
+                x, (dr, own) = layer_fns[i](x, gp[f"layer_{i}"], None if hg is None else hg[f"layer_{i}"], ids,
+                                            (rg[i], replay_on))
                 dropped = dropped + dr
-            return x, dropped
+                owns.append(own)
+            return x, (dropped, jnp.stack(owns))
 
         if flags.scan_layers:
-            x, dropped = jax.lax.scan(group, x, (params["layers"], hoisted))
+            x, (dropped, own) = jax.lax.scan(group, x, (params["layers"], hoisted, replay_ids))
             dropped = jnp.sum(dropped)
         else:
             dropped = jnp.int32(0)
+            owns = []
             for gi in range(groups):
                 take = functools.partial(jax.tree_util.tree_map, lambda a, gi=gi: a[gi])
-                x, dr = group(x, (take(params["layers"]), None if hoisted is None else take(hoisted)))
+                x, (dr, ow) = group(x, (take(params["layers"]), None if hoisted is None else take(hoisted),
+                                        replay_ids[gi]))
                 dropped = dropped + dr
+                owns.append(ow)
+            own = jnp.stack(owns)
         h = rms_norm(x, Weights(ctx, params["final_norm"], {"scale": sh.gather_dim(specs["final_norm"]["scale"])})(
             "scale", F32), dims.norm_eps, ctx.cdt)
         w_head = Weights(ctx, params["lm_head"], {"kernel": sh.gather_dim(specs["lm_head"]["kernel"])})("kernel")
@@ -240,14 +260,17 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
         logp_all = jax.nn.log_softmax(logits, axis=-1)
         logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]  # [B_l, S_l]
         dropped = jax.lax.psum(dropped, ("fsdp", "context"))
-        return logp, dropped
+        return logp, dropped, own
 
     tok_spec = P(sh.BATCH_AXES, "context")
+    route_spec = P(None, None, sh.BATCH_AXES, "context", None)  # [G, P, B, S, k]
     sharded = jax.shard_map(
-        local_forward, mesh=mesh, in_specs=(specs, tok_spec, tok_spec), out_specs=(tok_spec, P()), check_vma=CHECK_VMA
+        local_forward, mesh=mesh, in_specs=(specs, tok_spec, tok_spec, route_spec, P()),
+        out_specs=(tok_spec, P(), route_spec), check_vma=CHECK_VMA
     )
+    routing_shape = (groups, len(PATTERN), cfg.batch_size, cfg.seq_len, dims.top_k)
 
-    def log_probs(params, tokens):
+    def log_probs(params, tokens, routing=None):
         ops.reset()
         if tokens.ndim != 2:
             raise ValueError(f"tokens.shape={tokens.shape} must be [B, S]")
@@ -265,9 +288,24 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
         if lb:
             order = jnp.asarray(zigzag_order(s, sizes["context"]), jnp.int32)
             tokens, targets = tokens[:, order], targets[:, order]  # natural -> zigzag layout
-        logp, dropped = sharded(params, tokens, targets)
+        if routing is None:
+            replay_ids, replay_on = jnp.zeros(routing_shape, jnp.int32), jnp.bool_(False)
+        else:
+            replay_ids, replay_on = routing
+            if tuple(replay_ids.shape) != routing_shape:
+                raise ValueError(f"routing ids shape {tuple(replay_ids.shape)} must be {routing_shape} "
+                                 "(groups, pattern, batch, seq, top_k)")
+            replay_ids, replay_on = jnp.asarray(replay_ids, jnp.int32), jnp.asarray(replay_on, jnp.bool_)
         if lb:
-            logp = logp[:, jnp.argsort(order)]  # zigzag -> natural
-        return logp[:, : s - 1], {"dropped_tokens": dropped}
+            replay_ids = replay_ids[:, :, :, order]  # natural -> zigzag, like the tokens
+        logp, dropped, own = sharded(params, tokens, targets, replay_ids, replay_on)
+        if lb:
+            back = jnp.argsort(order)  # zigzag -> natural
+            logp, own, replay_ids = logp[:, back], own[:, :, :, back], replay_ids[:, :, :, back]
+        used = jnp.where(replay_on, replay_ids, own)
+        # Tokens (per layer) whose own top-k set differs from the one used (0 without replay).
+        mismatch = jnp.sum(jnp.any(jnp.sort(own, axis=-1) != jnp.sort(used, axis=-1), axis=-1)).astype(jnp.int32)
+        return logp[:, : s - 1], {"dropped_tokens": dropped, "routing": used, "routing_mismatch": mismatch}
 
+    log_probs.routing_shape = routing_shape
     return log_probs

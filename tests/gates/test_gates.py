@@ -240,6 +240,30 @@ def test_slack_is_per_gate_and_read_from_the_table(tmp_path: pathlib.Path, trio)
         assert r.bound_reference == pytest.approx((1 + t.slack[r.gate]) * r.control_vs_reference)
 
 
+def test_per_step_rel_bounds_each_step_by_its_own_value(tmp_path: pathlib.Path, trio):
+    """``rel = [a, b, c]``: step i's bound against the control is the i-th value; a run longer than the list, an
+    empty list or a negative entry is refused by name."""
+    control, reference = trio
+    cand = noisy(control, 1e-3, seed=11)
+    per_step = (1.0, 0.0, 1.0)  # step 2 demands bit-identity on every gate, the others allow anything
+    t = G.Tolerances(tol={g: per_step for g in G.GATES}, slack={g: 0.0 for g in G.GATES}, golden_rel=0.0,
+                     reasons={}, sources={}, path="t")
+    results, _ = G.evaluate(cand, control, reference, "rounding", t)
+    assert {r.step for r in results if not r.passed_control} == {2}
+    assert all(r.bound_control == per_step[r.step - 1] for r in results)
+    with pytest.raises(ValueError, match=r"\[gates.N2\] rel has 3 per-step values, no value for step 4"):
+        t.tol_at("N2", 4)
+    good = G.DEFAULT_TOLERANCES.read_text()
+    head, rest = good.split("[gates.N4]", 1)
+    n4, tail = rest.split("[gates.N5]", 1)
+    for bad, msg in (("rel = []", r"rel=\[\] needs one number per step"), ("rel = [0.1, -1.0]", r"rel\[1\]=-1.0")):
+        body = "\n".join(bad if line.startswith("rel =") else line for line in n4.split("\n"))
+        p = tmp_path / "t.toml"
+        p.write_text(head + "[gates.N4]" + body + "[gates.N5]" + tail)
+        with pytest.raises(ValueError, match=msg):
+            G.load_tolerances(p)
+
+
 def test_missing_or_global_slack_is_refused(tmp_path: pathlib.Path):
     good = G.DEFAULT_TOLERANCES.read_text()
     p = tmp_path / "t.toml"

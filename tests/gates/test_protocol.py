@@ -172,3 +172,42 @@ def test_params_on_a_mesh_run_every_step_with_one_compile_each():
         logger.setLevel(old_level)
     assert len(rec.steps) == 3 and all(np.isfinite(s.grad_norm) for s in rec.steps)
     assert sorted(compiled) == ["Compiling jit(grad_step)", "Compiling jit(opt_step)"], compiled
+
+
+def test_routing_replay_is_passed_per_step_and_recorded():
+    """A model with routing: without replay every step gets (zeros, off) and its own choice is recorded; with replay,
+    step i gets (replay[i], on); the record keeps the experts used and the mismatch count; a replay for a model without
+    routing, or of the wrong length or shape, is refused by name."""
+    vocab, shape = 11, (1, 2, 2, 8, 2)
+    batch = P.make_batch(2, 8, vocab, P.seed_for("replay-B2-S8-V11"))
+    params = {"w": jnp.asarray(np.random.default_rng(1).standard_normal((vocab, vocab)), jnp.float32)}
+
+    def log_probs(p, tokens, routing):
+        ids, on = routing
+        own = jnp.full(shape, 3, jnp.int32)
+        used = jnp.where(on, ids, own)
+        # the routing reaches the numbers: the experts used scale the logits
+        logits = jax.nn.one_hot(tokens[:, :-1], vocab) @ p["w"] * (1.0 + jnp.mean(used.astype(jnp.float32)))
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, 1:, None], axis=-1)[..., 0]
+        mismatch = jnp.sum(jnp.any(used != own, axis=-1)).astype(jnp.int32)
+        return logp, {"dropped_tokens": 0, "routing": used, "routing_mismatch": mismatch}
+
+    log_probs.routing_shape = shape
+    own = P.run_protocol(log_probs, params, batch)
+    assert all(np.array_equal(s.routing, np.full(shape, 3)) and s.routing_mismatch == 0 for s in own.steps)
+    replay = [np.full(shape, v, np.int32) for v in (3, 5, 7)]
+    rep = P.run_protocol(log_probs, params, batch, replay=replay)
+    assert [int(s.routing[0, 0, 0, 0, 0]) for s in rep.steps] == [3, 5, 7]
+    assert [s.routing_mismatch for s in rep.steps] == [0, 32, 32]  # every (layer, token) pair of the 1 x 2 x 2 x 8
+    assert own.steps[0].logp.tobytes() == rep.steps[0].logp.tobytes()  # replaying the own choice changes nothing
+    assert own.steps[1].logp.tobytes() != rep.steps[1].logp.tobytes()
+    with pytest.raises(ValueError, match="replay has 2 steps"):
+        P.run_protocol(log_probs, params, batch, replay=replay[:2])
+    with pytest.raises(ValueError, match=r"replay\[0\].shape=\(2,\)"):
+        P.run_protocol(log_probs, params, batch, replay=[np.zeros(2, np.int32)] * 3)
+
+    def no_routing(p, tokens):
+        return log_probs(p, tokens, (jnp.zeros(shape, jnp.int32), False))[0], {"dropped_tokens": 0}
+
+    with pytest.raises(ValueError, match="no routing_shape"):
+        P.run_protocol(no_routing, params, batch, replay=replay)

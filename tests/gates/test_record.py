@@ -24,7 +24,10 @@ def assert_same(a: R.RunRecord, b: R.RunRecord):
         assert sa.loss.tobytes() == sb.loss.tobytes() and sa.loss.dtype == sb.loss.dtype == np.float32
         assert sa.logp.tobytes() == sb.logp.tobytes()
         assert sa.grad_norm.tobytes() == sb.grad_norm.tobytes()
-        assert sa.dropped_tokens == sb.dropped_tokens
+        assert sa.dropped_tokens == sb.dropped_tokens and sa.routing_mismatch == sb.routing_mismatch
+        assert (sa.routing is None) == (sb.routing is None)
+        if sa.routing is not None:
+            assert sa.routing.dtype == sb.routing.dtype and sa.routing.tobytes() == sb.routing.tobytes()
         assert set(sa.grads) == set(sb.grads) and all(sa.grads[n].tobytes() == sb.grads[n].tobytes() for n in sa.grads)
         assert all(sa.params[n].tobytes() == sb.params[n].tobytes() for n in sa.params)
     assert a.mask.tobytes() == b.mask.tobytes()
@@ -46,6 +49,18 @@ def test_store_load_round_trip_is_bit_exact(tmp_path):
     back = cache.load(KEY)
     assert_same(rec, back)
     assert back.metadata["implementations"] == {"moe_mlp": "pallas"} and back.metadata["num_steps"] == 3
+
+
+def test_routing_round_trips(tmp_path):
+    rec = synthetic_record(3)
+    for i, s in enumerate(rec.steps):
+        s.routing = np.arange(24, dtype=np.int32).reshape(1, 2, 2, 3, 2) + i
+        s.routing_mismatch = 5 * i
+    cache = R.RecordCache(tmp_path)
+    cache.store(KEY, rec)
+    back = cache.load(KEY)
+    assert_same(rec, back)
+    assert [s.routing_mismatch for s in back.steps] == [0, 5, 10] and back.steps[2].routing[0, 0, 0, 0, 0] == 2
 
 
 def test_computed_once_then_cached(tmp_path):

@@ -175,6 +175,48 @@ def test_production_is_within_bf16_of_reference():
     assert 0 < e_grad < 0.1, e_grad
 
 
+@pytest.mark.timeout(900)
+def test_routing_replay_of_own_choice_is_bit_identical_and_of_another_changes_the_run():
+    """One compiled program, three calls: no replay (records its routing), replay of that routing (bit-identical
+    log-probs and gradients, no mismatch), replay of a shifted routing (every token on other experts: the log-probs move
+    and the mismatches are counted)."""
+    cfg = small_cfg()
+    flags = config.flags_for(cfg)
+    log_probs = transformer.build_log_probs(cfg, flags, precision="production", mesh=sharding.make_mesh(flags))
+    params, tokens = _inputs()
+    shape = log_probs.routing_shape
+    assert shape == (2, 4, cfg.batch_size, cfg.seq_len, cfg.top_k)
+
+    @jax.jit
+    def step(p, ids, on):
+        def loss(p):
+            logp, aux = log_probs(p, tokens, (ids, on))
+            return jnp.mean(logp), (logp, aux)
+
+        (_, (logp, aux)), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        return logp, grads, aux["routing"], aux["routing_mismatch"]
+
+    logp0, grads0, used0, mism0 = step(params, jnp.zeros(shape, jnp.int32), jnp.bool_(False))
+    assert int(mism0) == 0
+    used0 = np.asarray(used0)
+    assert used0.shape == shape and used0.min() >= 0 and used0.max() < cfg.num_experts
+    assert np.all(np.sort(used0, axis=-1)[..., 1:] != np.sort(used0, axis=-1)[..., :-1])  # k distinct experts
+    logp1, grads1, used1, mism1 = step(params, jnp.asarray(used0), jnp.bool_(True))
+    assert int(mism1) == 0 and np.array_equal(np.asarray(used1), used0)
+    assert np.asarray(logp1).tobytes() == np.asarray(logp0).tobytes()
+    for a, b in zip(jax.tree_util.tree_leaves(grads1), jax.tree_util.tree_leaves(grads0), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    shifted = (used0 + 1) % cfg.num_experts  # still k distinct experts per token, none of them its own choice set
+    logp2, _, used2, mism2 = step(params, jnp.asarray(shifted), jnp.bool_(True))
+    assert np.array_equal(np.asarray(used2), shifted)
+    # The first MoE layer's input does not depend on the routing, so its own choice stays used0's: all of its tokens
+    # mismatch; later layers' own choices move with the changed forward and may meet the shifted one.
+    assert cfg.batch_size * cfg.seq_len <= int(mism2) <= int(np.prod(shape[:4]))
+    assert rel_l2(np.asarray(logp2), np.asarray(logp0)) > 1e-4
+    with pytest.raises(ValueError, match=r"routing ids shape \(1, 4"):
+        log_probs(params, tokens, (jnp.zeros((1,) + shape[1:], jnp.int32), True))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the dispatch record and override
 # ----------------------------------------------------------------------------------------------------------------------
