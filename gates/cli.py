@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
     args = _parser().parse_args(argv)  # argparse exits 2 with a message naming the argument
     from gates.runner import BadInput, default_model_api
 
+    custom_api = api is not None  # worker processes (run --jobs) can only rebuild the real model package's API
     try:
         api = api or default_model_api()
     except ImportError as e:
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
     bad = (BadInput, api.config_error)
     try:
         if args.command == "run":
-            return _run(args, api)
+            return _run(args, api, custom_api)
         if args.command == "calibrate":
             from gates import calibrate
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
     raise AssertionError(f"unhandled command {args.command!r}")
 
 
-def _run(args, api) -> int:
+def _run(args, api, custom_api: bool) -> int:
     from gates import runner
 
     flags = parse_flag_items(args.flags)
@@ -145,7 +146,7 @@ def _run(args, api) -> int:
     if jobs < 1:
         raise runner.BadInput(f"--jobs={args.jobs!r} must be an integer >= 1")
     t0 = time.perf_counter()
-    report = runner.check(args.config, flags, api=None if api_is_default(api) else api, tiles=args.tiles,
+    report = runner.check(args.config, flags, api=api if custom_api else None, tiles=args.tiles,
                           cache_dir=args.cache_dir, use_cache=not args.no_cache, tolerances_path=args.tolerances,
                           golden_dir=args.golden_dir, progress=_progress,
                           on_check=lambda partial: partial.write(args.out), jobs=jobs)
@@ -156,11 +157,6 @@ def _run(args, api) -> int:
         print(report.table())
     _progress(f"wrote {json_path} and {md_path} ({time.perf_counter() - t0:.1f}s)")
     return EXIT_PASS if report.passed else EXIT_FAIL
-
-
-def api_is_default(api) -> bool:
-    """Whether ``api`` is the real model package's (worker processes can only rebuild that one)."""
-    return getattr(api, "load_config", None) is getattr(sys.modules.get("model.config"), "load_config", object())
 
 
 def _list_flags(args, api) -> int:

@@ -76,7 +76,7 @@ class Report:
         name, value = check.worst_tensor
         worst = f"{name} (gradient rel L2 {_fmt(value)})" if value > 0 else "none (every gradient tensor equal)"
         lines.append(f"  first failing step: {step if step is not None else 'none'}; worst tensor vs control: {worst}")
-        rm = getattr(check, "routing_mismatch", None)
+        rm = check.routing_mismatch
         if rm:
             lines.append("  routing replayed from the control; own top-k would differ on (layer, token) pairs "
                          "per step: "
@@ -142,7 +142,7 @@ class Report:
                     "worst_tensor": {"name": c.worst_tensor[0], "rel_l2": c.worst_tensor[1]},
                     "problems": c.problems,
                     "records": c.records,
-                    "routing_mismatch": getattr(c, "routing_mismatch", {}),
+                    "routing_mismatch": c.routing_mismatch,
                     "implementations": c.implementations,
                     "wall_s": c.wall_s,
                     "gates": [r.as_dict() for r in c.results],

@@ -428,17 +428,25 @@ def check(
 
 
 # ------------------------------------------------------------------------------------------------------------ prefetch
+_WORKER: dict = {}  # per worker process: (config, settings, cache_dir) -> (Runner, the control's routing)
+
+
 def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str) -> str:
     """Worker process: one record into the cache (``overrides=None``: the float32 reference), replaying the
-    control's routing read from the cache. Returns how the record was obtained."""
-    r = Runner(config, settings=protocol.ProtocolSettings(**settings),
-               cache=record_lib.RecordCache(cache_dir, log=lambda m: None),
-               progress=lambda m: _stderr(f"  [{label}] {m.split('] ', 1)[-1]}"))
-    control, _ = r.shared_record(r.base_flags, "production", "control")
-    replay = control_routing(control)
-    if overrides is None:
-        return r.shared_record(r.base_flags, "reference", label, replay)[1]
-    return r.shared_record(r.flags_from(overrides), "production", label, replay)[1]
+    control's routing read from the cache (once per worker process). Returns how the record was obtained."""
+    key = (config, tuple(sorted(settings.items())), cache_dir)
+    if key not in _WORKER:
+        r = Runner(config, settings=protocol.ProtocolSettings(**settings),
+                   cache=record_lib.RecordCache(cache_dir, log=lambda m: None), progress=None)
+        control, _ = r.shared_record(r.base_flags, "production", "control")
+        _WORKER[key] = (r, control_routing(control))
+    r, replay = _WORKER[key]
+    r.progress = lambda m: _stderr(f"  [{label}] {m.split('] ', 1)[-1]}")
+    flags, precision = (r.base_flags, "reference") if overrides is None else (r.flags_from(overrides), "production")
+    how = r.shared_record(flags, precision, label, replay)[1]
+    # The record is on disk now; keep only the control in this process's memory (a record is ~140 MB on tiny).
+    r._records.pop(record_lib.key_digest(r.key_parts(flags, precision, replay)), None)
+    return how
 
 
 def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None) -> None:
