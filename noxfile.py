@@ -35,22 +35,22 @@ def lint(session: nox.Session) -> None:
 def gates(session: nox.Session) -> None:
     """The blocking check: every registered flag alone and the tuned combination through the six gates.
 
-    Arguments after `--` go to `python -m gates` (e.g. `-- --flags moe_wi_gmm_fused_swiglu=true`, `-- --config smoke`).
+    Arguments after `--` go to `nxgates` (e.g. `-- --flags moe_wi_gmm_fused_swiglu=true`, `-- --config smoke`).
     Exit 0: all gates pass; 1: a gate fails; 2: bad flags, config or input (the message names the key and value).
     """
     session.install("-e", ".")
-    session.run("python", "-m", "gates", *session.posargs)
+    session.run("python", "-m", "nxgates", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def kernels(session: nox.Session) -> None:
     """Per-kernel tolerance report: Pallas kernels and XLA baselines against the float32 references."""
     session.install("-e", ".")
-    session.run("python", "-m", "gates", "kernels", *session.posargs)
+    session.run("python", "-m", "nxgates", "kernels", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def mutants(session: nox.Session) -> None:
     """Deliberately wrong kernels and flag paths: each must fail exactly the gates it declares."""
     session.install("-e", ".")
-    session.run("python", "-m", "gates", "mutants", *session.posargs)
+    session.run("python", "-m", "nxgates", "mutants", *session.posargs)

@@ -1,8 +1,8 @@
 """The numerics gates: the three-step RL protocol, run records, the six gates, flag contracts, tolerance reports, CLI.
 
-Public API (importing ``gates`` does not import jax, so ``python -m gates`` can set XLA flags first):
+Public API (importing ``gates`` does not import jax, so ``python -m nxgates`` can set XLA flags first):
 
-    import gates
+    from nxgates import gates
     report = gates.check(config="tiny", flags={"moe_wi_gmm_fused_swiglu": True})
     report.passed                      # bool
     print(report.table())              # per check: gate, step, vs control, vs reference, bounds, verdict
@@ -20,18 +20,18 @@ __all__ = ["check", "BadInput", "Report"]
 
 def check(config: str = "tiny", flags=None, **kwargs):
     """See ``gates.runner.check``."""
-    from gates.runner import check as _check
+    from nxgates.gates.runner import check as _check
 
     return _check(config, flags, **kwargs)
 
 
 def __getattr__(name):
     if name == "BadInput":
-        from gates.runner import BadInput
+        from nxgates.gates.runner import BadInput
 
         return BadInput
     if name == "Report":
-        from gates.report import Report
+        from nxgates.gates.report import Report
 
         return Report
     raise AttributeError(f"module 'gates' has no attribute {name!r}")

@@ -1,28 +1,21 @@
-"""``python -m gates``: the gates CLI (see ``gates/cli.py`` for the commands).
+"""``python -m nxgates.gates`` (and ``python -m nxgates``, the ``nxgates`` script): the gates CLI (``cli.py``).
 
-This is the one place the CLI sets XLA flags, before anything imports jax: unless ``--accelerator`` is given, the
-runs use 8 host CPU devices (``--xla_force_host_platform_device_count=8``, ``JAX_PLATFORMS=cpu``) so the default
-("fsdp", "context", "expert") = 2 x 2 x 2 mesh exists on any machine.
+Unless ``--accelerator`` is given, the runs use 8 host CPU devices (``nxgates.devices.use_host_devices``, before
+anything imports jax) so the default ("fsdp", "context", "expert") = 2 x 2 x 2 mesh exists on any machine.
 """
 
-import os
 import sys
 
-_HOST_DEVICES = "--xla_force_host_platform_device_count=8"
 
+def run(argv: list[str]) -> int:
+    if "--accelerator" not in argv:
+        from nxgates.devices import use_host_devices
 
-def _set_platform(argv: list[str]) -> None:
-    if "--accelerator" in argv:
-        return
-    if _HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _HOST_DEVICES).strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
+        use_host_devices()
+    from nxgates.gates.cli import main
+
+    return main(argv)
 
 
 if __name__ == "__main__":
-    if "jax" in sys.modules:
-        raise RuntimeError("gates/__main__.py: jax was imported before the XLA flags were set")
-    _set_platform(sys.argv[1:])
-    from gates.cli import main
-
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""``python -m gates calibrate [--config tiny]``: the measurements behind ``fixtures/tolerances.toml`` ``[gates.*]``.
+"""``python -m nxgates calibrate [--config tiny]``: the measurements behind ``fixtures/tolerances.toml`` ``[gates.*]``.
 
 Four runs of the protocol on one config: the control (production bf16, the config's flags), the float32 reference, the
 control again (fresh, no cache: is the control reproducible to the bit? ``exact`` contracts rely on it) and a benign
@@ -9,7 +9,7 @@ m(control again, control), and proposes:
 - ``rel[gate]``, one number per step: m(control, reference) at that step, rounded up to 3 significant digits. A flag
   that "changes the numbers by bf16 rounding" must move the result less than the whole bf16 path's own error does
   (the control's distance to the float32 truth at that step; measured: every rounding flag of tiny stays within
-  0.82 x of it on N2, N4, N5, N6, python -m gates run, 2026-12-02). Per step, because the distances differ by step
+  0.82 x of it on N2, N4, N5, N6, python -m nxgates run, 2026-12-02). Per step, because the distances differ by step
   (step 1 compares the same parameters; steps 2 and 3 also carry the first updates). N3 stays at DESIGN.md's 2e-3
   and N1 at 0 (the loss must not move; its measured distances are printed).
 - ``slack[gate]``, per gate, from the benign reassociation on THAT gate. The reference bound is
@@ -31,11 +31,10 @@ import json
 import math
 import sys
 
+from nxgates.gates import atomic, contracts
+from nxgates.gates import gates as gates_lib
+from nxgates.gates import runner as runner_lib
 from tabulate import tabulate
-
-from gates import atomic, contracts
-from gates import gates as gates_lib
-from gates import runner as runner_lib
 
 SLACK_FLOOR = 0.05
 SLACK_FACTOR = 2.0
@@ -118,7 +117,7 @@ def default_benign(r: runner_lib.Runner) -> list[dict]:
 
 def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *, cache_dir=None, progress=None,
               repeat: bool = True) -> dict:
-    from gates import record as record_lib
+    from nxgates.gates import record as record_lib
 
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     r = runner_lib.Runner(config, api=api, cache=record_lib.RecordCache(cache_dir, log=progress), progress=progress)
@@ -172,7 +171,7 @@ def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *,
 def main(args, api) -> int:
     benign = None
     if args.benign:
-        from gates.cli import parse_flag_items
+        from nxgates.gates.cli import parse_flag_items
 
         benign = parse_flag_items(args.benign)
     res = calibrate(args.config, api, benign, cache_dir=args.cache_dir, repeat=not args.no_repeat)
@@ -188,7 +187,7 @@ def main(args, api) -> int:
     for p in res["preconditions"]:
         print(f"precondition failed: {p}")
     print(f"slack rule: {res['slack_rule']}")
-    print("proposed [gates.*] values (source: `python -m gates calibrate --config " + res["config"] + "`):")
+    print("proposed [gates.*] values (source: `python -m nxgates calibrate --config " + res["config"] + "`):")
     prop = [[g, f"{v['control_vs_reference_max']:.3e}",
              f"{v['rel']:.3g}" if isinstance(v["rel"], float) else "[" + ", ".join(f"{x:.3e}" for x in v["rel"]) + "]",
              "-" if v["benign_ratio_every_step"] is None else f"{v['benign_ratio_every_step']:.4f}",

@@ -1,15 +1,15 @@
-"""The gates command line: ``python -m gates [command] [options]`` (entry: ``gates/__main__.py``, which sets XLA flags).
+"""The gates command line: ``nxgates [command] [options]`` (= ``python -m nxgates``; the entry sets XLA flags first).
 
 Commands:
-    run (default)   python -m gates [--config tiny] [--flags k=v ...] [--json] [--out reports]
+    run (default)   python -m nxgates [--config tiny] [--flags k=v ...] [--json] [--out reports]
                     no --flags: every registered flag alone + the tuned combination; exit 0 pass, 1 a gate fails,
                     2 bad input (unknown config or flag, malformed value, refused combination) with the message.
-    kernels         python -m gates kernels [--case tiny|cell] [--op moe|gdn|fp8] ...  (gates.kernel_report.main)
-    calibrate       python -m gates calibrate [--config tiny]: control-vs-reference distances and a benign
+    kernels         python -m nxgates kernels [--case tiny|cell] [--op moe|gdn|fp8] ...  (gates.kernel_report.main)
+    calibrate       python -m nxgates calibrate [--config tiny]: control-vs-reference distances and a benign
                     reassociation, the measurements behind fixtures/tolerances.toml [gates.*]
-    list-flags      python -m gates list-flags [--config tiny]: every tuning flag, its contract, control and tuned value
-    golden          python -m gates golden [--config tiny]: rebuild fixtures/golden/<config>.json from a fresh control
-    mutants         python -m gates mutants [--config tiny] [--only NAME ...]: deliberately wrong variants must fail
+    list-flags      python -m nxgates list-flags [--config tiny]: every tuning flag, its contract, control and tuned
+    golden          python -m nxgates golden [--config tiny]: rebuild fixtures/golden/<config>.json from a fresh control
+    mutants         python -m nxgates mutants [--config tiny] [--only NAME ...]: deliberately wrong variants must fail
                     exactly their predicted gates (exit 0 when every one does)
 Global: --accelerator (use the default jax backend instead of 8 host CPU devices; read in gates/__main__.py).
 """
@@ -31,7 +31,7 @@ def _progress(msg: str) -> None:
 
 def parse_flag_items(items: list[str] | None) -> dict[str, str] | None:
     """["k=v", ...] -> {k: v} (strings: model.config.parse_flags types them); a malformed item raises BadInput."""
-    from gates.runner import BadInput
+    from nxgates.gates.runner import BadInput
 
     if items is None:
         return None
@@ -49,7 +49,7 @@ def parse_flag_items(items: list[str] | None) -> dict[str, str] | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gates", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m nxgates", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command")
 
@@ -99,13 +99,13 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
     if argv[0] == "kernels":
         rest = [a for a in argv[1:] if a != "--accelerator"]
         try:
-            from gates import kernel_report
+            from nxgates.gates import kernel_report
         except ImportError as e:
             print(f"error: gates.kernel_report is not available ({e})", file=sys.stderr)
             return EXIT_BAD_INPUT
         return int(kernel_report.main(rest))
     args = _parser().parse_args(argv)  # argparse exits 2 with a message naming the argument
-    from gates.runner import BadInput, default_model_api
+    from nxgates.gates.runner import BadInput, default_model_api
 
     custom_api = api is not None  # worker processes (run --jobs) can only rebuild the real model package's API
     try:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
         if args.command == "run":
             return _run(args, api, custom_api)
         if args.command == "calibrate":
-            from gates import calibrate
+            from nxgates.gates import calibrate
 
             return calibrate.main(args, api)
         if args.command == "list-flags":
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
         if args.command == "golden":
             return _golden(args, api)
         if args.command == "mutants":
-            from gates import mutants
+            from nxgates.gates import mutants
 
             return mutants.main(args, api)
     except bad as e:
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
 
 
 def _run(args, api, custom_api: bool) -> int:
-    from gates import runner
+    from nxgates.gates import runner
 
     flags = parse_flag_items(args.flags)
     try:
@@ -160,9 +160,8 @@ def _run(args, api, custom_api: bool) -> int:
 
 
 def _list_flags(args, api) -> int:
+    from nxgates.gates import contracts
     from tabulate import tabulate
-
-    from gates import contracts
 
     cfg = api.load_config(args.config)
     base = api.as_dict(api.base_flags(cfg))
@@ -184,7 +183,7 @@ def _list_flags(args, api) -> int:
 
 
 def _golden(args, api) -> int:
-    from gates import golden, runner
+    from nxgates.gates import golden, runner
 
     r = runner.Runner(args.config, api=api, use_cache=False, progress=_progress)
     rec = r.compute(r.base_flags, "production", "control (golden)")

@@ -17,7 +17,7 @@ A gate passes at a step when
   ``tol`` and ``slack`` both the gate's own (``[gates.N4] rel``, ``[gates.N4] slack``).
 Preconditions (every value finite in all three records, no dropped token) fail every gate when violated.
 Tolerances come from ``fixtures/tolerances.toml`` ``[gates.*]`` (each gate: rel, slack, reason, source; calibrated by
-``python -m gates calibrate``); nothing relaxes them at run time.
+``python -m nxgates calibrate``); nothing relaxes them at run time.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ import tomllib
 from collections.abc import Mapping
 
 import numpy as np
+from nxgates.gates.diff import as_f64
+from nxgates.gates.record import RunRecord
 
-from gates.diff import as_f64
-from gates.record import RunRecord
+from nxgates import fixtures
 
 GATES = ("N1", "N2", "N3", "N4", "N5", "N6")
 GATE_NAMES = {
@@ -43,7 +44,7 @@ GATE_NAMES = {
     "N6": "update",
 }
 CONTRACTS = ("exact", "rounding")
-DEFAULT_TOLERANCES = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "tolerances.toml"
+DEFAULT_TOLERANCES = fixtures.TOLERANCES
 
 
 # ----------------------------------------------------------------------------------------------------------- tolerances

@@ -4,7 +4,7 @@ A golden holds the control run's per-step loss at full precision (the float32 va
 repr) and the per-step gradient global norms, with metadata (date, jax/jaxlib versions, platform, device kind and
 count, flags, seeds, the implementation of every op, the source hash). Rebuild with
 
-    python -m gates golden --config tiny
+    python -m nxgates golden --config tiny
 
 which runs the control fresh (no cache) and writes the golden atomically, and only when the run is clean (finite, no
 dropped token): a failed run never overwrites a good golden. A gate run compares its control with the golden when the
@@ -21,12 +21,13 @@ import pathlib
 import time
 
 import numpy as np
+from nxgates.gates import atomic
+from nxgates.gates import gates as gates_lib
+from nxgates.gates.record import RunRecord
 
-from gates import atomic
-from gates import gates as gates_lib
-from gates.record import RunRecord
+from nxgates import fixtures
 
-GOLDEN_DIR = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "golden"
+GOLDEN_DIR = fixtures.GOLDEN
 # What must match for a comparison to mean anything: a different compiler or device legitimately rounds differently.
 PLATFORM_KEYS = ("jax", "jaxlib", "platform", "device_kind", "device_count")
 
@@ -55,7 +56,7 @@ def golden_from_record(config: str, rec: RunRecord) -> dict:
             "settings": rec.metadata.get("settings"),
             "implementations": rec.metadata.get("implementations"),
             "source_sha256": rec.metadata.get("source_sha256"),
-            "rebuild": f"python -m gates golden --config {config}",
+            "rebuild": f"python -m nxgates golden --config {config}",
         },
     }
 
@@ -99,7 +100,7 @@ def compare(golden: dict, rec: RunRecord, tol_rel: float, path: str = "") -> Gol
     if golden.get("metadata", {}).get("source_sha256") != rec.metadata.get("source_sha256"):
         src_note = " (the model/kernel sources changed since the golden was built)"
     if problems:
-        rebuild = golden.get("metadata", {}).get("rebuild", "python -m gates golden")
+        rebuild = golden.get("metadata", {}).get("rebuild", "python -m nxgates golden")
         return GoldenComparison("mismatch", "control drifted from the golden" + src_note + ": " + "; ".join(problems)
                                 + f". If intended, rebuild with `{rebuild}`", path)
     return GoldenComparison("match", f"control matches the golden ({n} steps: loss bit-identical, grad norms within "
@@ -110,7 +111,7 @@ def compare_with_golden(config: str, rec: RunRecord, tols: gates_lib.Tolerances,
                         golden_dir: str | pathlib.Path | None = None) -> GoldenComparison:
     path = golden_path(config, golden_dir)
     if not path.exists():
-        return GoldenComparison("missing", f"no golden at {path}; build it with `python -m gates golden --config "
+        return GoldenComparison("missing", f"no golden at {path}; build it with `python -m nxgates golden --config "
                                 f"{config}`", str(path))
     try:
         golden = json.loads(path.read_text())

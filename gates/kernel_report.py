@@ -6,8 +6,8 @@ with its reason and source) and the verdict (PASS when finite and ``rel_l2 <= to
 modules of ``gates/kernel_cases`` (see its ``__init__``). Prints a table and writes ``<out>/kernels.json`` and
 ``<out>/kernels.md`` atomically.
 
-Run: ``python -m gates.kernel_report [--case tiny|medium|cell] [--op moe|gdn|fp8 ...] [--out reports/]``
-(also ``python -m gates kernels``). Exit 0: every row passes; 1: a row is out of tolerance (or has no tolerance
+Run: ``python -m nxgates.kernel_report [--case tiny|medium|cell] [--op moe|gdn|fp8 ...] [--out reports/]``
+(also ``python -m nxgates kernels``). Exit 0: every row passes; 1: a row is out of tolerance (or has no tolerance
 entry, or is not finite); 2: bad arguments, with a message naming the argument.
 """
 
@@ -29,13 +29,13 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
+from nxgates.gates import atomic
+from nxgates.gates.diff import summarize
+from nxgates.gates.kernel_cases import OPS
 
-from gates import atomic
-from gates.diff import summarize
-from gates.kernel_cases import OPS
+from nxgates import fixtures
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-DEFAULT_TOLERANCES = REPO / "fixtures" / "tolerances.toml"
+DEFAULT_TOLERANCES = fixtures.TOLERANCES
 CASE_NAMES = ("tiny", "medium", "cell")
 
 
@@ -154,7 +154,7 @@ HEADERS = ["kernel", "case", "output", "impl", "rel L2", "max abs (actual vs exp
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m gates.kernel_report",
+        prog="python -m nxgates kernels",
         description="Per-kernel tolerance report: Pallas kernels and XLA baselines against the float32 references.",
     )
     p.add_argument(
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None, *, overrides: Mapping[str, Mapping[str, 
         "backend": jax.default_backend(),
         "interpret": repr(interpret_mode()),
         "elapsed_s": elapsed,
-        "command": " ".join(["python -m gates.kernel_report", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python -m nxgates.kernel_report", *(argv if argv is not None else sys.argv[1:])]),
         "tolerances": str(args.tolerances),
         "exit_code": exit_code,
     }
@@ -282,10 +282,3 @@ def main(argv: list[str] | None = None, *, overrides: Mapping[str, Mapping[str, 
           f"{out_dir / 'kernels.md'}")
     return exit_code
 
-
-if __name__ == "__main__":
-    # Before jax is imported: 8 host devices for the multi-device cases (as tests/conftest.py and gates/__main__.py).
-    if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        _flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-        os.environ["XLA_FLAGS"] = _flags.strip()
-    sys.exit(main())

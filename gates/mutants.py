@@ -1,4 +1,4 @@
-"""Mutants: deliberately wrong kernels and flag paths that the gates must catch (``python -m gates mutants``).
+"""Mutants: deliberately wrong kernels and flag paths that the gates must catch (``python -m nxgates mutants``).
 
 Each mutant injects one bug into the candidate run, through ``model.ops.override`` (a wrong implementation of one op,
 traced only while the candidate is built) or through the protocol's loss, on the code path of the flag it names (the
@@ -12,7 +12,7 @@ Why a backward-only bug leaves N2 alone: the log-probs of step 1 are computed be
 and 3 move by AdamW steps of lr 1e-5, too little to lift their distance above N2's bound (measured by the
 mutants run).
 
-Run: python -m gates mutants [--config tiny] [--only NAME ...]
+Run: python -m nxgates mutants [--config tiny] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-
-from gates import atomic, contracts, protocol
-from gates import gates as gates_lib
+from nxgates.gates import atomic, contracts, protocol
+from nxgates.gates import gates as gates_lib
 
 ALL_BUT_N1 = frozenset({"N2", "N3", "N4", "N5", "N6"})
 
@@ -50,8 +49,8 @@ class Mutant:
 # ------------------------------------------------------------------------------------------------ moe_mlp helpers
 def _real_moe_mlp(flags):
     """The production ``moe_mlp`` the flags select (what ``model.moe`` dispatches), for wrapping."""
-    from kernels.gmm import ops as gmm_ops
-    from model.config import moe_tiles
+    from nxgates.kernels.gmm import ops as gmm_ops
+    from nxgates.model.config import moe_tiles
 
     return functools.partial(
         gmm_ops.moe_mlp, fused_swiglu=bool(flags.moe_wi_gmm_fused_swiglu),
@@ -84,8 +83,7 @@ def _with_backward_edit(real, edit, name):
 
 
 def _dswiglu_missing_factor(cfg, flags):
-    import reference
-
+    from nxgates import reference
     def edit(primals, dy, grads):
         # The correct dgate is dh * up * s * (1 + gate * (1 - s)); the mutant drops the (1 + gate * (1 - s)) factor.
         # Added on top of the real kernel's cotangents: delta = buggy - correct = -dh * up * s * gate * (1 - s).
@@ -129,8 +127,7 @@ def _group_boundary_off_by_one(cfg, flags):
 
 
 def _swiglu_without_silu(cfg, flags):
-    import reference
-
+    from nxgates import reference
     def moe_mlp_swiglu_without_silu(x, wi, wo, group_sizes, route_weights):
         # The fused SwiGLU epilogue writes gate * up: the silu is missing. float32 reference composition otherwise.
         f = wo.shape[1]
@@ -166,7 +163,7 @@ def _hoisted_ids_off_by_one(cfg, flags):
 
 def _fold_skipping_a_chunk(name):
     def make(cfg, flags):
-        from kernels.gdn import context_parallel
+        from nxgates.kernels.gdn import context_parallel
 
         def fold(m, b):
             # m: [n, ..., K, K], b: [n, ..., K, V]: the mutant composes every map but the second one.
@@ -282,8 +279,8 @@ def failed_gates(check) -> frozenset[str]:
 
 def run_mutants(config: str = "tiny", *, api=None, only=None, cache_dir=None, progress=None,
                 mutants: tuple[Mutant, ...] = MUTANTS) -> list[MutantResult]:
-    from gates import record as record_lib
-    from gates import runner as runner_lib
+    from nxgates.gates import record as record_lib
+    from nxgates.gates import runner as runner_lib
 
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     names = [m.name for m in mutants]

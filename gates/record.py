@@ -24,8 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-
-from gates import atomic
+from nxgates.gates import atomic
 
 FORMAT_VERSION = 2  # 2: per-step routing (the experts used) and routing_mismatch
 

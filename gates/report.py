@@ -11,10 +11,9 @@ import dataclasses
 import math
 import pathlib
 
+from nxgates.gates import atomic
+from nxgates.gates import gates as gates_lib
 from tabulate import tabulate
-
-from gates import atomic
-from gates import gates as gates_lib
 
 HEADERS = ("gate", "step", "vs control", "bound", "vs reference", "bound (ref)", "verdict")
 

@@ -1,4 +1,4 @@
-"""The check runner behind ``gates.check`` and ``python -m gates run``.
+"""The check runner behind ``gates.check`` and ``python -m nxgates run``.
 
 For each check (a ``gates.contracts.CheckSpec``): the control (config flags + the check's control prerequisites,
 production precision) and the float32 reference (same flags, ``precision="reference"``) come from the record cache,
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib
 import pathlib
 import platform
 import sys
@@ -23,13 +24,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from nxgates.gates import contracts as contracts_lib
+from nxgates.gates import gates as gates_lib
+from nxgates.gates import protocol
+from nxgates.gates import record as record_lib
 
-from gates import contracts as contracts_lib
-from gates import gates as gates_lib
-from gates import protocol
-from gates import record as record_lib
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent  # nxgates.<layer> folders: reference/, kernels/, ...
 # Source folders whose code determines a run record (a change invalidates the cache).
 SOURCE_DIRS = ("reference", "kernels", "model")
 SOURCE_FILES = ("gates/protocol.py",)
@@ -80,10 +80,10 @@ class ModelAPI:
 
 def default_model_api() -> ModelAPI:
     """The real model package (imports jax)."""
-    from model import config as mconfig
-    from model import ops as mops
-    from model import sharding as msharding
-    from model import transformer as mtransformer
+    from nxgates.model import config as mconfig
+    from nxgates.model import ops as mops
+    from nxgates.model import sharding as msharding
+    from nxgates.model import transformer as mtransformer
 
     def as_dict(obj):
         if dataclasses.is_dataclass(obj):
@@ -129,12 +129,15 @@ def source_hash(dirs: tuple[str, ...] = SOURCE_DIRS, files: tuple[str, ...] = SO
     """sha256 over the .py files of ``dirs`` (sorted), ``files`` and ``extra``, names included."""
     h = hashlib.sha256()
     paths = []
+    roots = {d: pathlib.Path(importlib.import_module(f"nxgates.{d}").__file__).resolve().parent for d in dirs}
     for d in dirs:
-        paths += sorted((REPO_ROOT / d).rglob("*.py"))
-    paths += [REPO_ROOT / f for f in files] + list(extra)
-    for p in paths:
+        paths += [(f"{d}/{p.relative_to(roots[d])}", p) for p in sorted(roots[d].rglob("*.py"))]
+    gates_root = pathlib.Path(__file__).resolve().parent
+    paths += [(f, gates_root / f.removeprefix("gates/")) for f in files]
+    paths += [(str(p), p) for p in extra]
+    for name, p in paths:
         if p.is_file():
-            h.update(str(p.relative_to(REPO_ROOT) if p.is_relative_to(REPO_ROOT) else p).encode())
+            h.update(name.encode())
             h.update(b"\0")
             h.update(p.read_bytes())
             h.update(b"\0")
@@ -398,8 +401,8 @@ def check(
     model.config) or ``BadInput``, both ``ValueError``, before anything is computed. ``on_check(partial_report)`` is
     called after each check (the CLI writes the reports so far). ``jobs > 1`` (with the cache and the real model):
     the records are computed first by that many worker processes (``prefetch``), then the checks read them."""
-    from gates import golden as golden_lib
-    from gates import report as report_lib
+    from nxgates.gates import golden as golden_lib
+    from nxgates.gates import report as report_lib
 
     tols = gates_lib.load_tolerances(tolerances_path) if tolerances_path else gates_lib.load_tolerances()
     runner = Runner(config, api=api, settings=settings,

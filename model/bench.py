@@ -1,6 +1,6 @@
 """Benchmark (not a test): one forward + backward of a config on its mesh, compile and execution timed apart.
 
-Run: ``python -m model.bench [--config tiny] [--precision production] [--flags key=value ...] [--repeats 2]``.
+Run: ``python -m nxgates.model.bench [--config tiny] [--precision production] [--flags key=value ...] [--repeats 2]``.
 Prints the compile wall/CPU time, each execution's wall time, and the process's peak resident memory (``ru_maxrss``).
 The 8 host CPU devices are requested here, before jax is imported.
 """
@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-
-    from model import config, ops, sharding, transformer
+    from nxgates.model import config, ops, sharding, transformer
 
     try:
         cfg = config.load_config(args.config)

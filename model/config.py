@@ -211,7 +211,7 @@ def parse_flags(overrides: Mapping[str, str | bool | int], base: Flags | None = 
 
 def moe_tiles(flags: Flags):
     """The ``kernels.tiling.MoeTiles`` of these flags (its fields are the trainer's tile keys)."""
-    from kernels.tiling import MoeTiles  # lazy: the config must load without the kernels
+    from nxgates.kernels.tiling import MoeTiles  # lazy: the config must load without the kernels
 
     return MoeTiles(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(MoeTiles)})
 
@@ -480,7 +480,7 @@ def _check_gather8_needs_scan_layers(cfg, flags):
 
 @_rule
 def _check_tiles_fit_vmem(cfg, flags):
-    from kernels.tiling import TileError, check_tiles_fit  # lazy: the config must load without the kernels
+    from nxgates.kernels.tiling import TileError, check_tiles_fit  # lazy: the config must load without the kernels
 
     fused = ("moe_wi_gmm_fused_swiglu", "moe_wo_gmm_fused_dswiglu", "moe_router_grad_from_wo_input")
     try:
@@ -567,7 +567,7 @@ def moe_rows(cfg: ModelConfig, flags: Flags) -> int:
 
 
 def _moe_dims(cfg: ModelConfig, flags: Flags):
-    from kernels.tiling import MoeDims
+    from nxgates.kernels.tiling import MoeDims
 
     # m only clips the m tile (a tile larger than m costs m rows), so the largest m a device can see is the safe one.
     return MoeDims(rows=max(moe_rows(cfg, flags), 1), embed=cfg.hidden_dim, mlp=cfg.moe_mlp_dim)
@@ -594,7 +594,9 @@ def validate(cfg: ModelConfig, flags: Flags) -> Flags:
 def config_dir() -> Path:
     """``$NXGATES_CONFIG_DIR`` if set, else ``fixtures/configs`` of the repository holding this package."""
     env = os.environ.get("NXGATES_CONFIG_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "fixtures" / "configs"
+    from nxgates import fixtures
+
+    return Path(env) if env else fixtures.CONFIGS
 
 
 def available_configs() -> tuple[str, ...]:

@@ -26,8 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-
-from model import ops
+from nxgates.model import ops
 
 F32 = jnp.float32
 _HI = jax.lax.Precision.HIGHEST

@@ -27,10 +27,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from nxgates.model import ops
+from nxgates.model.layers import F32, Ctx, Weights, gather_fsdp, rms_norm
 
-import reference
-from model import ops
-from model.layers import F32, Ctx, Weights, gather_fsdp, rms_norm
+from nxgates import reference
 
 MOE_PARAMS = ("norm", "router", "wi", "wo", "shared_wi", "shared_wo", "shared_gate")
 
@@ -147,7 +147,7 @@ def _moe_impl(ctx: Ctx):
     f = ctx.flags
     if ctx.reference:
         return ops.dispatch("moe_mlp", "reference")
-    from model.config import moe_tiles
+    from nxgates.model.config import moe_tiles
 
     return ops.dispatch(
         "moe_mlp",

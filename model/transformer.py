@@ -31,7 +31,7 @@ Hoisted per flags, before the scan: the attention ids (``context_parallel_attent
 every attention layer and its remat replay) and the fp8 codes and scales of every layer's experts
 (``fp8_fake_quant_hoist=gather8``).
 
-Run: ``python -m model.bench`` (one forward + backward of tiny on 8 host devices); tests: ``tests/model/``.
+Run: ``python -m nxgates.model.bench`` (one forward + backward of tiny on 8 host devices); tests: ``tests/model/``.
 """
 
 from __future__ import annotations
@@ -43,11 +43,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-
-from model import config as config_lib
-from model import ops
-from model import sharding as sh
-from model.layers import (
+from nxgates.model import config as config_lib
+from nxgates.model import ops
+from nxgates.model import sharding as sh
+from nxgates.model.layers import (
     F32,
     Ctx,
     Dims,
@@ -60,7 +59,7 @@ from model.layers import (
     rms_norm,
     zigzag_order,
 )
-from model.moe import ROUTING_NAME, hoist_fp8, moe_block, moe_param_shapes
+from nxgates.model.moe import ROUTING_NAME, hoist_fp8, moe_block, moe_param_shapes
 
 PRECISIONS = ("production", "reference")
 # check_vma=False: the Pallas kernels' pallas_calls declare their outputs without a manual_axis_type, which

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from reference.gmm import check_group_sizes, gmm, group_masks
+from nxgates.reference.gmm import check_group_sizes, gmm, group_masks
 
 
 def _check_same_shape(**arrays) -> None:

@@ -4,20 +4,11 @@ Eight host CPU devices let the multi-device tests build the ("fsdp", "context", 
 Larger shapes are marked ``slow`` and run only with ``--runslow``.
 """
 
-import os
+from nxgates.devices import use_host_devices
 
-_HOST_DEVICES = "--xla_force_host_platform_device_count=8"
-if _HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _HOST_DEVICES).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+use_host_devices()  # raises, naming the fix, if jax was initialized with fewer devices before this file ran
 
-import jax  # noqa: E402
 import pytest  # noqa: E402
-
-if len(jax.devices()) < 8:  # jax was imported (and its backend initialized) before this file ran.
-    raise RuntimeError(
-        f"tests need 8 host devices, got {len(jax.devices())}: set XLA_FLAGS={_HOST_DEVICES} before jax is imported"
-    )
 
 
 def pytest_addoption(parser):

@@ -15,7 +15,7 @@ they feed (``fp8_rows``).
 from __future__ import annotations
 
 OPS: dict[str, tuple[str, str]] = {
-    "moe": ("gates.kernel_cases.moe", "rows"),
-    "gdn": ("gates.kernel_cases.gdn", "rows"),
-    "fp8": ("gates.kernel_cases.moe", "fp8_rows"),
+    "moe": ("nxgates.gates.kernel_cases.moe", "rows"),
+    "gdn": ("nxgates.gates.kernel_cases.gdn", "rows"),
+    "fp8": ("nxgates.gates.kernel_cases.moe", "fp8_rows"),
 }

@@ -24,10 +24,10 @@ Cases (``CASES``):
 
 ``IMPLS`` holds what the rows call (the report can substitute one, e.g. a deliberately wrong ``m_scan`` fold).
 The context mesh uses the first 4 devices: on CPU the process must start with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``python -m gates.kernel_report`` and ``python -m gates`` set it
-before importing jax); this module sets nothing process-global.
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``python -m nxgates`` sets it before importing jax);
+this module sets nothing process-global.
 
-Run: ``python -m gates.kernel_report --op gdn [--case cell]``.
+Run: ``python -m nxgates.kernel_report --op gdn [--case cell]``.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from nxgates.gates.kernel_report import KernelRow, interpret_mode
+from nxgates.kernels.gdn import context_parallel as cp
+from nxgates.kernels.gdn import ops
+from nxgates.kernels.gdn.inputs import OUTPUTS, GdnInputs, make_inputs, outputs_and_grads
 
-import reference
-from gates.kernel_report import KernelRow, interpret_mode
-from kernels.gdn import context_parallel as cp
-from kernels.gdn import ops
-from kernels.gdn.inputs import OUTPUTS, GdnInputs, make_inputs, outputs_and_grads
+from nxgates import reference
 
 CASES = ("tiny", "medium", "cell")
 KERNELS = ("gdn_chunk", "gdn_cp", "gdn_cp_fold_diff")

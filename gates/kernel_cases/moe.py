@@ -23,7 +23,7 @@ Kernels / outputs / implementations:
   (the trainer's unfused path). Reference: ``jax.vjp`` of the float32 composition of reference ops.
 - fp8 (``fp8_rows``): ``fp8_absmax_quantize`` ``codes`` and ``scale`` of stacked weights [L, E, K, N]; exact.
 
-Run: ``python -m gates.kernel_report --op moe --op fp8 [--case cell]``.
+Run: ``python -m nxgates.kernel_report --op moe --op fp8 [--case cell]``.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from nxgates.gates.kernel_report import KernelRow, interpret_mode
+from nxgates.kernels.fp8 import fp8_absmax_quantize
+from nxgates.kernels.gmm import ops as G
+from nxgates.kernels.tiling import MoeTiles
 
-import reference as R
-from gates.kernel_report import KernelRow, interpret_mode
-from kernels.fp8 import fp8_absmax_quantize
-from kernels.gmm import ops as G
-from kernels.tiling import MoeTiles
+from nxgates import reference as R
 
 CASES = ("tiny", "cell")
 _BF16 = jnp.bfloat16

@@ -7,9 +7,9 @@ padding, the ``custom_vjp`` op ``gdn_chunk`` and the XLA path ``gdn_chunk_xla``;
 Tests: ``python -m pytest tests/kernels/test_gdn_kernel.py tests/kernels/test_gdn_cp.py -q``.
 """
 
-from kernels.gdn.context_parallel import fold_scan as fold_scan
-from kernels.gdn.context_parallel import fold_tree as fold_tree
-from kernels.gdn.context_parallel import gdn_cp as gdn_cp
-from kernels.gdn.context_parallel import gdn_cp_sharded as gdn_cp_sharded
-from kernels.gdn.ops import gdn_chunk as gdn_chunk
-from kernels.gdn.ops import gdn_chunk_xla as gdn_chunk_xla
+from nxgates.kernels.gdn.context_parallel import fold_scan as fold_scan
+from nxgates.kernels.gdn.context_parallel import fold_tree as fold_tree
+from nxgates.kernels.gdn.context_parallel import gdn_cp as gdn_cp
+from nxgates.kernels.gdn.context_parallel import gdn_cp_sharded as gdn_cp_sharded
+from nxgates.kernels.gdn.ops import gdn_chunk as gdn_chunk
+from nxgates.kernels.gdn.ops import gdn_chunk_xla as gdn_chunk_xla

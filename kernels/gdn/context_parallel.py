@@ -42,9 +42,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-
-from kernels.gdn import kernel as _kernel
-from kernels.gdn import ops as _ops
+from nxgates.kernels.gdn import kernel as _kernel
+from nxgates.kernels.gdn import ops as _ops
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32

@@ -22,8 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
-
-from kernels.gdn import kernel as _kernel
+from nxgates.kernels.gdn import kernel as _kernel
 
 _HI = jax.lax.Precision.HIGHEST
 _F32 = jnp.float32

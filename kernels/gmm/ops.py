@@ -27,10 +27,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-from kernels.gmm import kernel as K
-from kernels.tiling import MoeTiles, effective, round_up
-from reference.gmm import check_group_sizes
+from nxgates.kernels.gmm import kernel as K
+from nxgates.kernels.tiling import MoeTiles, effective, round_up
+from nxgates.reference.gmm import check_group_sizes
 
 _F32 = jnp.float32
 _SUPPORTED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))

@@ -11,9 +11,9 @@ import pathlib
 import re
 
 import pytest
+from nxgates.gates import cli, golden
+from nxgates.gates import gates as G
 
-from gates import cli, golden
-from gates import gates as G
 from tests.gates import toy_model
 from tests.gates.toy_model import toy_run
 
@@ -65,7 +65,7 @@ def test_bad_input_exits_2_with_the_key_and_value(argv, message, workdir, capsys
 
 def test_real_model_refusals_exit_2(capsys):
     """The real config's messages (model.config): unknown flag, malformed value, a refused combination."""
-    pytest.importorskip("model.config")
+    pytest.importorskip("nxgates.model.config")
     cases = [
         (["--flags", "moe_wi_gmm_fused_swiglu_typo=true"], "unknown flag 'moe_wi_gmm_fused_swiglu_typo'"),
         (["--flags", "wi_tile_fwd_batch_seq=big"], "wi_tile_fwd_batch_seq=big is malformed"),
@@ -130,7 +130,7 @@ def test_golden_written_compared_and_never_overwritten_by_a_failed_run(tmp_path)
     path = golden.write_golden("toy", control, tmp_path)
     saved = path.read_text()
     doc = json.loads(saved)
-    assert doc["metadata"]["rebuild"] == "python -m gates golden --config toy" and len(doc["loss_f32_hex"]) == 3
+    assert doc["metadata"]["rebuild"] == "python -m nxgates golden --config toy" and len(doc["loss_f32_hex"]) == 3
     assert golden.compare_with_golden("toy", toy_run("control again"), tols, tmp_path).status == "match"
     # a drifted control (another rounding) is a mismatch naming the step
     fused = toy_run("fused", {"moe_wi_gmm_fused_swiglu": True})
@@ -157,7 +157,7 @@ def test_golden_cli_rebuilds(tmp_path, capsys):
 
 
 def test_calibrate_measures_and_proposes(tmp_path):
-    from gates import calibrate
+    from nxgates.gates import calibrate
 
     res = calibrate.calibrate("toy", toy_model.api(), cache_dir=str(tmp_path), progress=lambda m: None)
     assert res["benign"] == [{"wi_tile_fwd_embed_dim": 8}]  # every k tile of the toy (one), halved
@@ -187,7 +187,7 @@ def test_calibrate_measures_and_proposes(tmp_path):
 
 
 def test_slack_rule():
-    from gates import calibrate
+    from nxgates.gates import calibrate
 
     assert calibrate.slack_from_ratio(None) == 0.05
     assert calibrate.slack_from_ratio(0.8) == 0.05  # the benign candidate was closer than the control: the floor

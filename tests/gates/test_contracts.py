@@ -6,8 +6,7 @@ Run: python -m pytest tests/gates/test_contracts.py -q
 from __future__ import annotations
 
 import pytest
-
-from gates import contracts as C
+from nxgates.gates import contracts as C
 
 
 @pytest.mark.parametrize(
@@ -99,7 +98,7 @@ def test_build_check_refuses_a_non_tuning_key():
 
 def test_real_tiny_config_checks():
     """The checks the default gates run builds on the real tiny config (model.config; no model is run)."""
-    mconfig = pytest.importorskip("model.config")
+    mconfig = pytest.importorskip("nxgates.model.config")
     import dataclasses
 
     cfg = mconfig.load_config("tiny")

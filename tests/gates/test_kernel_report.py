@@ -14,9 +14,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import pytest
-
-from gates import kernel_report
-from kernels.gmm import dswiglu_gmm
+from nxgates.gates import kernel_report
+from nxgates.kernels.gmm import dswiglu_gmm
 
 
 def _epilogue_without_silu_derivative_factor(g, gate, up, r):
@@ -67,7 +66,7 @@ def test_wrong_fused_backward_epilogues_fail_with_exit_1(tmp_path):
     assert verdicts[("pallas_fused_no_router", "d_route")] == "FAIL"
     assert verdicts[("unfused", "d_gate_up")] == "PASS" and verdicts[("unfused", "d_route")] == "PASS"
     # The substitution is undone: the real implementation is back in the table.
-    from gates.kernel_cases import moe
+    from nxgates.gates.kernel_cases import moe
 
     assert moe.IMPLS["dswiglu_bwd.pallas_fused"].__name__ == "_dswiglu_fused"
 

@@ -23,8 +23,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from gates.runner import ModelAPI
+from nxgates.gates.runner import ModelAPI
 
 HI = jax.lax.Precision.HIGHEST
 
@@ -224,7 +223,7 @@ def api() -> ModelAPI:
 # ---------------------------------------------------------------------------------------------- synthetic run records
 def synthetic_record(seed: int = 0, steps: int = 3, *, shapes=None, metadata=None):
     """A RunRecord built in numpy (no model): for the gate, record and report tests. Same seed -> same record."""
-    from gates.record import RunRecord, StepRecord
+    from nxgates.gates.record import RunRecord, StepRecord
 
     shapes = shapes or {"embed": (6, 4), "mlp/w_in": (4, 5), "mlp/w_out": (5, 4), "norm/scale": (3,), "head": (4, 6)}
     rng = np.random.default_rng(seed)
@@ -249,7 +248,7 @@ _RUNS: dict = {}
 
 def toy_run(label: str, overrides: dict | None = None, precision: str = "production"):
     """A protocol run of the toy model, memoized per (label, overrides, precision) for the whole test session."""
-    from gates import runner
+    from nxgates.gates import runner
 
     key = (label, tuple(sorted((overrides or {}).items())), precision)
     if key not in _RUNS:

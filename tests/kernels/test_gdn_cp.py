@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
 import tomllib
 
 import jax
@@ -20,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from nxgates.gates.diff import rel_l2
+from nxgates.kernels.gdn import context_parallel as cp
+from nxgates.kernels.gdn.inputs import make_inputs, outputs_and_grads
 
-import reference
-from gates.diff import rel_l2
-from kernels.gdn import context_parallel as cp
-from kernels.gdn.inputs import make_inputs, outputs_and_grads
+from nxgates import fixtures, reference
 
-_TOLERANCES = pathlib.Path(__file__).resolve().parents[2] / "fixtures" / "tolerances.toml"
+_TOLERANCES = fixtures.TOLERANCES
 CHUNK = 16
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from kernels.tiling import (
+from nxgates.kernels.tiling import (
     MIB,
     MoeDims,
     MoeTiles,

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-
-from model import config, layers, moe
+from nxgates.model import config, layers, moe
 
 DIMS = layers.Dims(vocab=32, d_model=32, num_layers=4, num_experts=4, top_k=2, moe_mlp=8, shared_mlp=8,
                    gdn_key_heads=2, gdn_value_heads=4, gdn_key_dim=8, gdn_value_dim=8, gdn_conv=4, gdn_chunk=8,

@@ -8,8 +8,7 @@ import dataclasses
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
-
-from model import config, sharding, transformer
+from nxgates.model import config, sharding, transformer
 
 
 def _flags(f, c, e):

@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from gates.diff import rel_l2
-from model import config, ops, sharding, transformer
+from nxgates.gates.diff import rel_l2
+from nxgates.model import config, ops, sharding, transformer
 
 SMALL = dict(hidden_dim=64, seq_len=64, vocab_size=128, moe_mlp_dim=32, shared_expert_mlp_dim=32, gdn_key_dim=16,
              gdn_value_dim=16, gdn_chunk_size=16, attn_head_dim=16, num_layers=8)

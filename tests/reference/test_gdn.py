@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
-from gates.diff import rel_l2
-from reference import gdn_chunk_maps, gdn_chunked, gdn_context_parallel, gdn_fold, gdn_recurrent
+from nxgates.gates.diff import rel_l2
+from nxgates.reference import gdn_chunk_maps, gdn_chunked, gdn_context_parallel, gdn_fold, gdn_recurrent
 
 # Tolerances (rel L2), measured over this file's grid on CPU (jax 0.12.0.1) with a script that reruns every case:
 # chunked / context-parallel vs recurrent <= 3.8e-7 forward and <= 8.4e-7 for any gradient (dg is the largest);

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
-from reference import gmm, tgmm
+from nxgates.reference import gmm, tgmm
 
 EPS32 = 2.0**-23
 

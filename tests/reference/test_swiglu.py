@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
-from gates.diff import rel_l2
-from reference import gmm, moe_wo_dlhs_dswiglu, swiglu, swiglu_bwd
+from nxgates.gates.diff import rel_l2
+from nxgates.reference import gmm, moe_wo_dlhs_dswiglu, swiglu, swiglu_bwd
 
 EPS32 = 2.0**-23
 
