@@ -31,10 +31,11 @@ import json
 import math
 import sys
 
+from tabulate import tabulate
+
 from nxgates.gates import atomic, contracts
 from nxgates.gates import gates as gates_lib
 from nxgates.gates import runner as runner_lib
-from tabulate import tabulate
 
 SLACK_FLOOR = 0.05
 SLACK_FACTOR = 2.0

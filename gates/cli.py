@@ -160,8 +160,9 @@ def _run(args, api, custom_api: bool) -> int:
 
 
 def _list_flags(args, api) -> int:
-    from nxgates.gates import contracts
     from tabulate import tabulate
+
+    from nxgates.gates import contracts
 
     cfg = api.load_config(args.config)
     base = api.as_dict(api.base_flags(cfg))

@@ -29,10 +29,10 @@ import tomllib
 from collections.abc import Mapping
 
 import numpy as np
-from nxgates.gates.diff import as_f64
-from nxgates.gates.record import RunRecord
 
 from nxgates import fixtures
+from nxgates.gates.diff import as_f64
+from nxgates.gates.record import RunRecord
 
 GATES = ("N1", "N2", "N3", "N4", "N5", "N6")
 GATE_NAMES = {

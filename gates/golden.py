@@ -21,11 +21,11 @@ import pathlib
 import time
 
 import numpy as np
+
+from nxgates import fixtures
 from nxgates.gates import atomic
 from nxgates.gates import gates as gates_lib
 from nxgates.gates.record import RunRecord
-
-from nxgates import fixtures
 
 GOLDEN_DIR = fixtures.GOLDEN
 # What must match for a comparison to mean anything: a different compiler or device legitimately rounds differently.

@@ -29,11 +29,11 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
+
+from nxgates import fixtures
 from nxgates.gates import atomic
 from nxgates.gates.diff import summarize
 from nxgates.gates.kernel_cases import OPS
-
-from nxgates import fixtures
 
 DEFAULT_TOLERANCES = fixtures.TOLERANCES
 CASE_NAMES = ("tiny", "medium", "cell")

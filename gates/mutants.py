@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
 from nxgates.gates import atomic, contracts, protocol
 from nxgates.gates import gates as gates_lib
 

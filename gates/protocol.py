@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+
 from nxgates.gates import record as record_lib
 
 # The ratio's log is clipped to [-20, 20] before exp, as the trainer does, so a wild log-prob cannot overflow.

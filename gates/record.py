@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
 from nxgates.gates import atomic
 
 FORMAT_VERSION = 2  # 2: per-step routing (the experts used) and routing_mismatch

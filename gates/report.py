@@ -11,9 +11,10 @@ import dataclasses
 import math
 import pathlib
 
+from tabulate import tabulate
+
 from nxgates.gates import atomic
 from nxgates.gates import gates as gates_lib
-from tabulate import tabulate
 
 HEADERS = ("gate", "step", "vs control", "bound", "vs reference", "bound (ref)", "verdict")
 

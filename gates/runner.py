@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
 from nxgates.gates import contracts as contracts_lib
 from nxgates.gates import gates as gates_lib
 from nxgates.gates import protocol

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     from nxgates.model import config, ops, sharding, transformer
 
     try:

@@ -26,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+
 from nxgates.model import ops
 
 F32 = jnp.float32

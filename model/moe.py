@@ -27,10 +27,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from nxgates.model import ops
-from nxgates.model.layers import F32, Ctx, Weights, gather_fsdp, rms_norm
 
 from nxgates import reference
+from nxgates.model import ops
+from nxgates.model.layers import F32, Ctx, Weights, gather_fsdp, rms_norm
 
 MOE_PARAMS = ("norm", "router", "wi", "wo", "shared_wi", "shared_wo", "shared_gate")
 

@@ -36,12 +36,12 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+
+from nxgates import reference
 from nxgates.kernels.gdn import context_parallel
 from nxgates.kernels.gdn import ops as gdn_ops
 from nxgates.kernels.gmm import ops as gmm_ops
 from nxgates.reference.gdn import gdn_chunked
-
-from nxgates import reference
 
 OP_NAMES = ("moe_mlp", "gdn", "gdn_cp_fold", "gdn_cp_dh_fold", "fp8_fake_quant", "fp8_amax", "lb_ids", "attention")
 

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
 from nxgates.model import config as config_lib
 from nxgates.model import ops
 from nxgates.model import sharding as sh

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from nxgates.reference.gmm import check_group_sizes, gmm, group_masks
 
 

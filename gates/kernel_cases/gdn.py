@@ -39,12 +39,12 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from nxgates import reference
 from nxgates.gates.kernel_report import KernelRow, interpret_mode
 from nxgates.kernels.gdn import context_parallel as cp
 from nxgates.kernels.gdn import ops
 from nxgates.kernels.gdn.inputs import OUTPUTS, GdnInputs, make_inputs, outputs_and_grads
-
-from nxgates import reference
 
 CASES = ("tiny", "medium", "cell")
 KERNELS = ("gdn_chunk", "gdn_cp", "gdn_cp_fold_diff")

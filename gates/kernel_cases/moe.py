@@ -37,12 +37,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from nxgates import reference as R
 from nxgates.gates.kernel_report import KernelRow, interpret_mode
 from nxgates.kernels.fp8 import fp8_absmax_quantize
 from nxgates.kernels.gmm import ops as G
 from nxgates.kernels.tiling import MoeTiles
-
-from nxgates import reference as R
 
 CASES = ("tiny", "cell")
 _BF16 = jnp.bfloat16

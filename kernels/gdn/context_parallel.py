@@ -42,6 +42,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
 from nxgates.kernels.gdn import kernel as _kernel
 from nxgates.kernels.gdn import ops as _ops
 

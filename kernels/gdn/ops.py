@@ -22,6 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
+
 from nxgates.kernels.gdn import kernel as _kernel
 
 _HI = jax.lax.Precision.HIGHEST

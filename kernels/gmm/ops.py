@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
 from nxgates.kernels.gmm import kernel as K
 from nxgates.kernels.tiling import MoeTiles, effective, round_up
 from nxgates.reference.gmm import check_group_sizes

@@ -11,9 +11,9 @@ import pathlib
 import re
 
 import pytest
+
 from nxgates.gates import cli, golden
 from nxgates.gates import gates as G
-
 from tests.gates import toy_model
 from tests.gates.toy_model import toy_run
 

@@ -6,6 +6,7 @@ Run: python -m pytest tests/gates/test_contracts.py -q
 from __future__ import annotations
 
 import pytest
+
 from nxgates.gates import contracts as C
 
 

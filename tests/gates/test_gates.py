@@ -11,8 +11,8 @@ import pathlib
 
 import numpy as np
 import pytest
-from nxgates.gates import gates as G
 
+from nxgates.gates import gates as G
 from tests.gates.toy_model import synthetic_record
 
 TOLS = G.Tolerances(tol={"N1": 0.0, "N2": 1e-3, "N3": 2e-3, "N4": 1e-2, "N5": 2e-2, "N6": 5e-2},

@@ -14,6 +14,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import pytest
+
 from nxgates.gates import kernel_report
 from nxgates.kernels.gmm import dswiglu_gmm
 

@@ -7,8 +7,8 @@ Run: python -m pytest tests/gates/test_mutants.py -q
 from __future__ import annotations
 
 import jax
-from nxgates.gates import mutants as M
 
+from nxgates.gates import mutants as M
 from tests.gates import toy_model
 
 

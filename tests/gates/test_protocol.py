@@ -12,8 +12,8 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from nxgates.gates import protocol as P
 
+from nxgates.gates import protocol as P
 from tests.gates.toy_model import toy_run
 
 

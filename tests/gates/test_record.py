@@ -9,8 +9,8 @@ import json
 
 import numpy as np
 import pytest
-from nxgates.gates import record as R
 
+from nxgates.gates import record as R
 from tests.gates.toy_model import synthetic_record
 
 KEY = {"config": "toy", "flags": {"a": True}, "precision": "production", "env": {"jax": "0.12.0.1"}}

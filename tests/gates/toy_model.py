@@ -23,6 +23,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from nxgates.gates.runner import ModelAPI
 
 HI = jax.lax.Precision.HIGHEST

@@ -14,9 +14,9 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from nxgates.kernels.fp8 import fp8_absmax_quantize
 
 from nxgates import reference as R
+from nxgates.kernels.fp8 import fp8_absmax_quantize
 
 
 def _weights(case_id, shape, dtype):

@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+
+from nxgates import fixtures, reference
 from nxgates.gates.diff import rel_l2
 from nxgates.kernels.gdn import context_parallel as cp
 from nxgates.kernels.gdn.inputs import make_inputs, outputs_and_grads
-
-from nxgates import fixtures, reference
 
 _TOLERANCES = fixtures.TOLERANCES
 CHUNK = 16

@@ -17,11 +17,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+
+from nxgates import reference as R
 from nxgates.gates.diff import rel_l2
 from nxgates.kernels.gmm import gmm, tgmm
 from nxgates.kernels.gmm.kernel import make_group_metadata
-
-from nxgates import reference as R
 
 # (m, k, n, group_sizes, tiles): every case has an empty group and a sum < m (or == m) and partial tiles.
 CASES = {

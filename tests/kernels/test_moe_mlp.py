@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+
+from nxgates import reference as R
 from nxgates.gates.diff import rel_l2
 from nxgates.kernels.gmm import dswiglu_gmm, moe_mlp, swiglu_gmm, unfused_dswiglu_bwd
 from nxgates.kernels.tiling import MoeTiles
-
-from nxgates import reference as R
 
 # m=45 rows, 41 routed (sum < m), an empty expert, boundaries inside 16-row tiles; D=48 over two k tiles of 32 (padded).
 M, D, F, SIZES = 45, 48, 32, (6, 0, 27, 8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from nxgates.kernels.tiling import (
     MIB,
     MoeDims,

@@ -6,6 +6,7 @@ Pure Python (no tracing): ``python -m pytest tests/model/test_config.py -q``.
 import dataclasses
 
 import pytest
+
 from nxgates.model.config import (
     CONTROL_KEYS,
     RULES,

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+
 from nxgates.model import config, layers, moe
 
 DIMS = layers.Dims(vocab=32, d_model=32, num_layers=4, num_experts=4, top_k=2, moe_mlp=8, shared_mlp=8,

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from nxgates.model import ops
 
 from nxgates import reference
+from nxgates.model import ops
 
 
 def _rng(case_id: str) -> np.random.Generator:

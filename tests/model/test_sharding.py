@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
+
 from nxgates.model import config, sharding, transformer
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from nxgates.gates.diff import rel_l2
 from nxgates.model import config, ops, sharding, transformer
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+
 from nxgates.reference import fp8_dequantize, fp8_fake_quant, fp8_quantize, fp8_scale
 
 E4M3 = ml_dtypes.float8_e4m3fn

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+
 from nxgates.gates.diff import rel_l2
 from nxgates.reference import gdn_chunk_maps, gdn_chunked, gdn_context_parallel, gdn_fold, gdn_recurrent
 

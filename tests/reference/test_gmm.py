@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+
 from nxgates.reference import gmm, tgmm
 
 EPS32 = 2.0**-23
