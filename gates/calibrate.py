@@ -36,6 +36,7 @@ from tabulate import tabulate
 from nxgates.gates import atomic, contracts
 from nxgates.gates import gates as gates_lib
 from nxgates.gates import runner as runner_lib
+from nxgates.gates.errors import BadInput
 
 SLACK_FLOOR = 0.05
 SLACK_FACTOR = 2.0
@@ -111,7 +112,7 @@ def default_benign(r: runner_lib.Runner) -> list[dict]:
                 continue
             found.append({key: new})
     if not found:
-        raise runner_lib.BadInput(f"config {r.config_name!r}: no k tile halves or doubles to a valid tile; "
+        raise BadInput(f"config {r.config_name!r}: no k tile halves or doubles to a valid tile; "
                                   "pass --benign k=v")
     return found
 
@@ -169,12 +170,8 @@ def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *,
             "wall_s": round(__import__("time").perf_counter() - r.t0, 1)}
 
 
-def main(args, api) -> int:
-    benign = None
-    if args.benign:
-        from nxgates.gates.cli import parse_flag_items
-
-        benign = parse_flag_items(args.benign)
+def main(args, api, benign: dict | None = None) -> int:
+    """``nxgates calibrate``: ``benign`` is the parsed ``--benign k=v ...`` (None: ``default_benign``)."""
     res = calibrate(args.config, api, benign, cache_dir=args.cache_dir, repeat=not args.no_repeat)
     atomic.write_json_atomic(f"{args.out}/calibration.json", res)
     if args.json:

@@ -21,6 +21,8 @@ import json
 import sys
 import time
 
+from nxgates.gates.errors import BadInput
+
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants")
 
@@ -30,9 +32,7 @@ def _progress(msg: str) -> None:
 
 
 def parse_flag_items(items: list[str] | None) -> dict[str, str] | None:
-    """["k=v", ...] -> {k: v} (strings: model.config.parse_flags types them); a malformed item raises BadInput."""
-    from nxgates.gates.runner import BadInput
-
+    """["k=v", ...] -> {k: v} (strings: model.flags.parse_flags types them); a malformed item raises BadInput."""
     if items is None:
         return None
     out: dict[str, str] = {}
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
             return EXIT_BAD_INPUT
         return int(kernel_report.main(rest))
     args = _parser().parse_args(argv)  # argparse exits 2 with a message naming the argument
-    from nxgates.gates.runner import BadInput, default_model_api
+    from nxgates.gates.model_api import default_model_api
 
     custom_api = api is not None  # worker processes (run --jobs) can only rebuild the real model package's API
     try:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
         if args.command == "calibrate":
             from nxgates.gates import calibrate
 
-            return calibrate.main(args, api)
+            return calibrate.main(args, api, parse_flag_items(args.benign) if args.benign else None)
         if args.command == "list-flags":
             return _list_flags(args, api)
         if args.command == "golden":
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
 
 
 def _run(args, api, custom_api: bool) -> int:
-    from nxgates.gates import runner
+    from nxgates.gates import suite
 
     flags = parse_flag_items(args.flags)
     try:
@@ -144,9 +144,9 @@ def _run(args, api, custom_api: bool) -> int:
     except ValueError:
         jobs = 0
     if jobs < 1:
-        raise runner.BadInput(f"--jobs={args.jobs!r} must be an integer >= 1")
+        raise BadInput(f"--jobs={args.jobs!r} must be an integer >= 1")
     t0 = time.perf_counter()
-    report = runner.check(args.config, flags, api=api if custom_api else None, tiles=args.tiles,
+    report = suite.check(args.config, flags, api=api if custom_api else None, tiles=args.tiles,
                           cache_dir=args.cache_dir, use_cache=not args.no_cache, tolerances_path=args.tolerances,
                           golden_dir=args.golden_dir, progress=_progress,
                           on_check=lambda partial: partial.write(args.out), jobs=jobs)
@@ -171,15 +171,16 @@ def _list_flags(args, api) -> int:
     for key in base:
         if not contracts.is_tuning_key(key):
             continue
-        doc = contracts.REGISTRY[key].doc if key in contracts.REGISTRY else "GMM tile"
-        rows.append({"flag": key, "contract": contracts.contract_of(key), "control": base[key],
-                     "tuned": tuned.get(key, "-"), "what": doc})
+        decl = contracts.declaration(key)
+        rows.append({"flag": key, "contract": decl.contract, "control": base[key], "tuned": tuned.get(key, "-"),
+                     "op": decl.op, "rules": ",".join(decl.rules), "what": decl.doc})
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
     else:
         print(f"tuning flags of config {args.config!r} (the check of a flag also turns on the prerequisite "
               "tuning flags the model's rules name)")
-        print(tabulate(rows, headers="keys", tablefmt="simple", disable_numparse=True))
+        shown = [{k: v for k, v in r.items() if k != "rules"} for r in rows]  # the rules: --json, or model.flags
+        print(tabulate(shown, headers="keys", tablefmt="simple", disable_numparse=True))
     return EXIT_PASS
 
 

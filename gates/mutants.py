@@ -51,7 +51,7 @@ class Mutant:
 def _real_moe_mlp(flags):
     """The production ``moe_mlp`` the flags select (what ``model.moe`` dispatches), for wrapping."""
     from nxgates.kernels.gmm import ops as gmm_ops
-    from nxgates.model.config import moe_tiles
+    from nxgates.model.flags import moe_tiles
 
     return functools.partial(
         gmm_ops.moe_mlp, fused_swiglu=bool(flags.moe_wi_gmm_fused_swiglu),
@@ -282,12 +282,13 @@ def run_mutants(config: str = "tiny", *, api=None, only=None, cache_dir=None, pr
                 mutants: tuple[Mutant, ...] = MUTANTS) -> list[MutantResult]:
     from nxgates.gates import record as record_lib
     from nxgates.gates import runner as runner_lib
+    from nxgates.gates.errors import BadInput
 
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     names = [m.name for m in mutants]
     for n in only or ():
         if n not in names:
-            raise runner_lib.BadInput(f"--only {n}: unknown mutant; mutants are {names}")
+            raise BadInput(f"--only {n}: unknown mutant; mutants are {names}")
     chosen = [m for m in mutants if not only or m.name in only]
     r = runner_lib.Runner(config, api=api, cache=record_lib.RecordCache(cache_dir, log=progress), progress=progress)
     base = r.api.as_dict(r.base_flags)
