@@ -10,7 +10,7 @@ m(control again, control), and proposes:
   that "changes the numbers by bf16 rounding" must move the result less than the whole bf16 path's own error does
   (the control's distance to the float32 truth at that step; measured: every rounding flag of tiny stays within
   0.82 x of it on N2, N4, N5, N6, python -m nxgates run, 2026-12-02). Per step, because the distances differ by step
-  (step 1 compares the same parameters; steps 2 and 3 also carry the first updates). N3 stays at DESIGN.md's 2e-3
+  (step 1 compares the same parameters; steps 2 and 3 also carry the first updates). N3 stays at docs/design.md's 2e-3
   and N1 at 0 (the loss must not move; its measured distances are printed).
 - ``slack[gate]``, per gate, from the benign reassociation on THAT gate. The reference bound is
   ``max(rel, (1 + slack) * m(control, reference))``; with ``rel`` at m(control, reference) itself the slack term
@@ -54,13 +54,13 @@ def slack_from_ratio(ratio: float | None) -> float:
     return round(max(SLACK_FLOOR, raw), 10)
 
 
-FIXED_REL = {"N3": 2e-3}  # DESIGN.md fixes N3's tolerance
+FIXED_REL = {"N3": 2e-3}  # docs/design.md fixes N3's tolerance
 REL_DIGITS = 3
 
 
 def proposed_rel(gate: str, control_vs_reference: list[float]) -> float | list[float]:
-    """The rel rule: DESIGN.md's fixed value (N3), 0 when the control matches the reference at every step (N1), else
-    per step m(control, reference) rounded up to ``REL_DIGITS`` significant digits."""
+    """The rel rule: docs/design.md's fixed value (N3), 0 when the control matches the reference at every step (N1),
+    else per step m(control, reference) rounded up to ``REL_DIGITS`` significant digits."""
     if gate in FIXED_REL:
         return FIXED_REL[gate]
     if max(control_vs_reference) == 0.0:

@@ -119,3 +119,21 @@ def default_checks(base_values: Mapping[str, Any], tuned: Mapping[str, Any], clo
     if combo:
         checks.append(build_check("tuned", combo, base_values, closure))
     return checks
+
+
+def flag_table_markdown() -> str:
+    """The tuning flags as a Markdown table, from their declarations (``docs/design.md`` holds this text verbatim;
+    tests/test_docs.py checks it): each non-tile flag on its own row, the GMM tile keys grouped by contract."""
+    rows = ["| flag | contract | checked at | reaches | prerequisite rules (`model.rules`) | what |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for key, d in FLAGS.items():
+        rules = ", ".join(f"`{r}`" for r in d.rules)
+        rows.append(f"| `{key}` | {d.contract} | `{d.on}` | `{d.op}` | {rules} | {d.doc.replace('|', '\\|')} |")
+    for contract, what in (("exact", "m and n tiles (not the reduction), the rhs buffer count: the same arithmetic "
+                                     "re-scheduled"),
+                           ("rounding", "k tiles (the GMM's reduction dim): the f32 accumulation re-associated")):
+        keys = [k for k, d in TUNING.items() if d.tile and d.contract == contract]
+        rules = sorted({r for k in keys for r in TUNING[k].rules})
+        rows.append(f"| {', '.join(f'`{k}`' for k in keys)} | {contract} | the config's `[tuned]` value | "
+                    f"`moe_mlp` | {', '.join(f'`{r}`' for r in rules)} | {what} |")
+    return "\n".join(rows)

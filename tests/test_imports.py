@@ -161,3 +161,22 @@ def test_no_generic_top_level_import(name):
     bad = sorted(n for n in imported_names(path, name, path.name == "__init__.py")
                  if n.split(".")[0] in ("model", "gates", "kernels", "reference", "fixtures"))
     assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+LAYER_ORDER = ("nxgates.fixtures", "nxgates.reference", "nxgates.kernels", "nxgates.model", "nxgates.gates")
+
+
+def _layer(module: str) -> int | None:
+    for i, layer in enumerate(LAYER_ORDER):
+        if module == layer or module.startswith(layer + "."):
+            return i
+    return None
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    """reference -> kernels -> model -> gates (docs/design.md, "Architecture"): never upwards."""
+    graph = import_graph()
+    upward = sorted((a, b) for a, edges in graph.items() for b in edges
+                    if _layer(a) is not None and _layer(b) is not None and _layer(b) > _layer(a))
+    assert upward == []
+    assert _layer("nxgates.model.rules") == 3 and _layer("nxgates") is None

@@ -169,3 +169,11 @@ def test_moe_mlp_reference_matches_group_loop():
         start += n
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got)[9:], 0.0)  # rows past sum(group_sizes)
+
+
+def test_the_ops_a_flag_declaration_may_name_are_the_dispatch_table():
+    """model.flags keeps the op names as data (it imports without jax); they must be this table's, plus "remat"."""
+    from nxgates.model import flags
+
+    assert set(flags.REACHABLE) == set(ops.OP_NAMES) | {"remat"}
+    assert {d.op for d in flags.TUNING.values()} <= set(flags.REACHABLE)
