@@ -335,8 +335,22 @@ def _host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+_EXPECTED_CACHE: dict[tuple, dict[str, np.ndarray]] = {}  # (op, case id, gradients) -> results; small cases only
+
+
 def _expected(spec: OpSpec, case: Case, args, kwargs, diff, cts_by_name) -> dict[str, np.ndarray]:
-    """The float32 reference's outputs and gradients (on the float32 upcast of the case's arrays)."""
+    """The float32 reference's outputs and gradients (on the float32 upcast of the case's arrays), computed once per
+    process for a case that is not a ``cell`` case (the inputs are a function of the case id)."""
+    key = (spec.name, case.case_id, tuple(diff))
+    if key in _EXPECTED_CACHE:
+        return _EXPECTED_CACHE[key]
+    result = _expected_uncached(spec, case, args, kwargs, diff, cts_by_name)
+    if not case.cell:
+        _EXPECTED_CACHE[key] = result
+    return result
+
+
+def _expected_uncached(spec: OpSpec, case: Case, args, kwargs, diff, cts_by_name) -> dict[str, np.ndarray]:
     f32 = {n: (jnp.asarray(x, jnp.float32) if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
                else x) for n, x in args.items()}  # fmt: skip
     if spec.expected is not None:
@@ -384,16 +398,16 @@ def _check_structure(spec: OpSpec, case: Case, impl: str, got, want) -> None:
             )
 
 
-def _error_record(op, case, output, impl, exc: BaseException, tol) -> dict:
+def _error_record(op, case, output, impl, exc: BaseException, tol, stage: str = "calling it") -> dict:
     key, entry = tol
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else "(no message)"
     nan = math.nan
     return {
         "kernel": op, "case": case, "output": output, "impl": impl, "shape": None, "rel_l2": nan, "max_abs": nan,
         "max_abs_index": (), "actual_at_max": nan, "expected_at_max": nan, "pct_close": nan, "sqnr_db": nan,
         "finite": False, "size": 0, "tol_key": key, "tol_rel_l2": entry["rel_l2"] if entry else None,
         "tol_reason": entry["reason"] if entry else None, "tol_source": entry["source"] if entry else None,
-        "verdict": f"ERROR ({type(exc).__name__}: {msg[:300]})",
+        "verdict": f"ERROR ({stage} raised {type(exc).__name__}: {msg[:300]})",
     }  # fmt: skip
 
 
@@ -436,7 +450,8 @@ def _run_case(fn, impl: str, spec: OpSpec, case: Case, grads: bool, resolve) -> 
     records = []
     for output in tol:
         if output not in actual:
-            records.append(_error_record(spec.name, case.name, output, impl, grad_error, tol[output]))
+            stage = "jax.vjp of it (no VJP? check with grads=False / --no-grads)"
+            records.append(_error_record(spec.name, case.name, output, impl, grad_error, tol[output], stage))
             continue
         key, entry = tol[output]
         row = KernelRow(spec.name, case.name, output, impl, actual[output], expected[output], key)
