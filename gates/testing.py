@@ -217,13 +217,15 @@ class KernelReport:
             )
         return lines
 
-    def tolerance_lines(self) -> list[str]:
+    def tolerance_lines(self, reasons: bool = True) -> list[str]:
+        """One line per tolerance used: key = value, its reason (the JSON and Markdown keep it) and its source."""
         seen, lines = set(), []
         for r in self.rows:
             if r["tol_key"] in seen or r["tol_rel_l2"] is None:
                 continue
             seen.add(r["tol_key"])
-            lines.append(f"{r['tol_key']} = {r['tol_rel_l2']}: {r['tol_reason']} (source: {r['tol_source']})")
+            reason = f": {r['tol_reason']}" if reasons else ""
+            lines.append(f"{r['tol_key']} = {r['tol_rel_l2']}{reason} (source: {r['tol_source']})")
         return lines
 
     def header(self) -> str:
@@ -239,7 +241,7 @@ class KernelReport:
     def __str__(self) -> str:
         parts = [self.header(), "", self.table(), ""]
         parts += self.failure_lines()
-        parts += ["", "tolerances:", *("  " + t for t in self.tolerance_lines()), self.verdict_line()]
+        parts += ["", "tolerances:", *("  " + t for t in self.tolerance_lines(reasons=False)), self.verdict_line()]
         return "\n".join(parts)
 
     def to_dict(self) -> dict:
@@ -247,7 +249,8 @@ class KernelReport:
         return atomic._jsonable({
             "op": self.op, "impl": self.impl, "adapter": self.adapter, "grads": self.grads, "cases": list(self.cases),
             "passed": self.passed, "exit_code": self.exit_code, "elapsed_s": self.elapsed_s,
-            "failures": self.failure_lines(), "rows": [dict(r) for r in self.rows],
+            "failures": self.failure_lines(), "tolerances": self.tolerance_lines(),
+            "rows": [dict(r) for r in self.rows],
         })  # fmt: skip
 
 
