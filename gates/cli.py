@@ -5,6 +5,7 @@ Commands:
                     no --flags: every registered flag alone + the tuned combination; exit 0 pass, 1 a gate fails,
                     2 bad input (unknown config or flag, malformed value, refused combination) with the message.
     kernels         python -m nxgates kernels [--case tiny|cell] [--op moe|gdn|fp8] ...  (gates.kernel_report.main)
+                    python -m nxgates kernels --impl PACKAGE.MODULE:FUNCTION --op OP ...  (gates.testing.main)
     calibrate       python -m nxgates calibrate [--config tiny]: control-vs-reference distances and a benign
                     reassociation, the measurements behind fixtures/tolerances.toml [gates.*]
     list-flags      python -m nxgates list-flags [--config tiny]: every tuning flag, its contract, control and tuned
@@ -98,6 +99,10 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
         argv = ["run", *argv]
     if argv[0] == "kernels":
         rest = [a for a in argv[1:] if a != "--accelerator"]
+        if any(a == "--impl" or a.startswith("--impl=") for a in rest):  # someone's kernel: gates.testing
+            from nxgates.gates import testing
+
+            return int(testing.main(rest))
         try:
             from nxgates.gates import kernel_report
         except ImportError as e:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import importlib
 import importlib.util
@@ -34,37 +33,22 @@ from nxgates import fixtures
 from nxgates.gates import atomic
 from nxgates.gates.diff import summarize
 from nxgates.gates.kernel_cases import OPS
+from nxgates.gates.kernel_cases.base import KernelRow, interpret_mode
 
 DEFAULT_TOLERANCES = fixtures.TOLERANCES
 CASE_NAMES = ("tiny", "medium", "cell")
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelRow:
-    """One compared output: ``actual`` (the implementation ``impl``) against ``expected`` (the float32 reference)."""
-
-    kernel: str
-    case: str
-    output: str
-    impl: str
-    actual: np.ndarray
-    expected: np.ndarray
-    tol_key: str
-
-
-def interpret_mode():
-    """How the case modules run Pallas kernels: compiled on TPU, the Pallas interpreter elsewhere (CPU, GPU)."""
-    import jax
-
-    return jax.default_backend() != "tpu"
 
 
 class ArgumentError(ValueError):
     """Bad command-line input (exit 2)."""
 
 
-def load_tolerances(path: str | os.PathLike) -> dict[str, dict]:
-    """The ``[kernels."<key>"]`` entries of the tolerance table: ``{key: {"rel_l2", "reason", "source"}}``."""
+def load_tolerances(path: str | os.PathLike = DEFAULT_TOLERANCES) -> dict[str, dict]:
+    """The ``[kernels."<key>"]`` entries of the tolerance table: ``{key: {"rel_l2", "reason", "source"}}``.
+
+    The one place that reads the kernel tolerances (this report and ``gates.testing`` both call it): switching to the
+    project's shared tolerance loader changes this body only.
+    """
     path = pathlib.Path(path)
     try:
         with open(path, "rb") as f:
@@ -139,7 +123,9 @@ def _fmt(x: float, spec: str = ".3e") -> str:
 def table_rows(records: list[dict]) -> list[list[str]]:
     out = []
     for r in records:
-        max_abs = f"{_fmt(r['max_abs'])} ({_fmt(r['actual_at_max'], '.5g')} vs {_fmt(r['expected_at_max'], '.5g')})"
+        idx = r.get("max_abs_index")
+        at = f" at {list(idx)}" if idx else ""
+        max_abs = f"{_fmt(r['max_abs'])}{at} ({_fmt(r['actual_at_max'], '.5g')} vs {_fmt(r['expected_at_max'], '.5g')})"
         out.append([
             r["kernel"], r["case"], r["output"], r["impl"], _fmt(r["rel_l2"]), max_abs, _fmt(r["pct_close"], ".2f"),
             _fmt(r["sqnr_db"], ".1f"), _fmt(r["tol_rel_l2"], ".1e") if r["tol_rel_l2"] is not None else "-",
@@ -148,8 +134,8 @@ def table_rows(records: list[dict]) -> list[list[str]]:
     return out
 
 
-HEADERS = ["kernel", "case", "output", "impl", "rel L2", "max abs (actual vs expected)", "% close", "SQNR dB", "tol",
-           "verdict"]
+HEADERS = ["kernel", "case", "output", "impl", "rel L2", "max abs at [index] (actual vs expected)", "% close",
+           "SQNR dB", "tol", "verdict"]
 
 
 def _parser() -> argparse.ArgumentParser:
