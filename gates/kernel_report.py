@@ -24,13 +24,13 @@ import os
 import pathlib
 import sys
 import time
-import tomllib
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
 from nxgates import fixtures
 from nxgates.gates import atomic
+from nxgates.gates import tolerances as tolerance_table
 from nxgates.gates.diff import summarize
 from nxgates.gates.kernel_cases import OPS
 from nxgates.gates.kernel_cases.base import KernelRow, interpret_mode
@@ -46,26 +46,13 @@ class ArgumentError(ValueError):
 def load_tolerances(path: str | os.PathLike = DEFAULT_TOLERANCES) -> dict[str, dict]:
     """The ``[kernels."<key>"]`` entries of the tolerance table: ``{key: {"rel_l2", "reason", "source"}}``.
 
-    The one place that reads the kernel tolerances (this report and ``gates.testing`` both call it): switching to the
-    project's shared tolerance loader changes this body only.
-    """
-    path = pathlib.Path(path)
+    Read through the project's one tolerance loader (``gates.tolerances``); a missing or malformed file is an
+    ``ArgumentError`` naming ``--tolerances`` and the path."""
     try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except FileNotFoundError as e:
-        raise ArgumentError(f"--tolerances={str(path)!r}: file not found") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ArgumentError(f"--tolerances={str(path)!r}: not valid TOML ({e})") from e
-    entries = table.get("kernels", {})
-    for key, entry in entries.items():
-        missing = [f for f in ("rel_l2", "reason", "source") if f not in entry]
-        if missing or not isinstance(entry.get("rel_l2"), int | float):
-            raise ArgumentError(
-                f"--tolerances={str(path)!r}: [kernels.{key!r}] needs rel_l2 (a number), reason and source; "
-                f"got {sorted(entry)}"
-            )
-    return entries
+        entries = tolerance_table.load_kernel_tolerances(path)
+    except ValueError as e:
+        raise ArgumentError(f"--tolerances={str(path)!r}: {e}") from None
+    return {k: {"rel_l2": t.rel_l2, "reason": t.reason, "source": t.source} for k, t in entries.items()}
 
 
 @contextlib.contextmanager
