@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true", help="print the JSON report on stdout instead of the table")
         sp.add_argument("--accelerator", action="store_true", help="use the default jax backend (set before jax loads)")
         sp.add_argument("--cache-dir", default=None, help="record cache (default $NXGATES_CACHE or .cache/gates)")
+        sp.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use JAX's persistent compilation cache (<cache dir>/xla; gates.profile)")
         if out:
             sp.add_argument("--out", default="reports", help="report folder (default reports/)")
 
@@ -72,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="worker processes that compute the records before the checks read them (default 2; 1: "
                           "everything in this process)")
     run.add_argument("--tolerances", default=None, help="tolerance table (default fixtures/tolerances.toml)")
+    run.add_argument("--profile", action="store_true",
+                     help="print per record the seconds to trace, lower, compile and execute, and the totals")
     run.add_argument("--golden-dir", default=None, help="golden records (default fixtures/golden)")
     cal = sub.add_parser("calibrate", help="measure the distances behind the tolerances")
     common(cal)
@@ -119,6 +123,11 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
         print(f"error: the model package is not importable: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     bad = (BadInput, api.config_error)
+    if args.command in ("run", "calibrate", "mutants") and not args.no_compile_cache:
+        from nxgates.gates import profile
+
+        if profile.active_compilation_cache_dir() is None:  # (a process may have one already: the test harness's)
+            profile.enable_compilation_cache(args.cache_dir)  # compiled programs under <cache dir>/xla/<host>
     try:
         if args.command == "run":
             return _run(args, api, custom_api)
@@ -151,15 +160,20 @@ def _run(args, api, custom_api: bool) -> int:
     if jobs < 1:
         raise BadInput(f"--jobs={args.jobs!r} must be an integer >= 1")
     t0 = time.perf_counter()
+    rows = [] if args.profile else None
     report = suite.check(args.config, flags, api=api if custom_api else None, tiles=args.tiles,
                           cache_dir=args.cache_dir, use_cache=not args.no_cache, tolerances_path=args.tolerances,
                           golden_dir=args.golden_dir, progress=_progress,
-                          on_check=lambda partial: partial.write(args.out), jobs=jobs)
+                          on_check=lambda partial: partial.write(args.out), jobs=jobs, profile=rows)
     json_path, md_path = report.write(args.out)
     if args.json:
         print(json.dumps(report.to_json(), indent=2, default=str))
     else:
         print(report.table())
+    if rows is not None:
+        from nxgates.gates import profile
+
+        print(f"\nprofile ({time.perf_counter() - t0:.1f}s wall in all):\n{profile.table(rows)}")
     _progress(f"wrote {json_path} and {md_path} ({time.perf_counter() - t0:.1f}s)")
     return EXIT_PASS if report.passed else EXIT_FAIL
 

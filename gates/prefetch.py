@@ -14,16 +14,21 @@ import time
 
 from nxgates.gates import protocol
 from nxgates.gates import record as record_lib
+from nxgates.gates.profile import active_compilation_cache_dir, use_compilation_cache_dir
 from nxgates.gates.runner import Runner, control_routing, stderr
 
 _WORKER: dict = {}  # per worker process: (config, settings, cache_dir) -> (Runner, the control's routing)
 
 
-def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str) -> str:
+def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str,
+                  xla_dir: str | None = None) -> tuple[str, dict]:
     """Worker process: one record into the cache (``overrides=None``: the float32 reference), replaying the
-    control's routing read from the cache (once per worker process). Returns how the record was obtained."""
+    control's routing read from the cache (once per worker process). Returns how the record was obtained and its
+    ``gates.profile.row``."""
     key = (config, tuple(sorted(settings.items())), cache_dir)
     if key not in _WORKER:
+        if xla_dir is not None:  # the parent's persistent compilation cache (a spawned process starts without it)
+            use_compilation_cache_dir(xla_dir)
         r = Runner(config, settings=protocol.ProtocolSettings(**settings),
                    cache=record_lib.RecordCache(cache_dir, log=lambda m: None), progress=None)
         control, _ = r.shared_record(r.base_flags, "production", "control")
@@ -34,7 +39,7 @@ def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides:
     how = r.shared_record(flags, precision, label, replay)[1]
     # The record is on disk now; keep only the control in this process's memory (a record is ~140 MB on tiny).
     r._records.pop(record_lib.key_digest(r.key_parts(flags, precision, replay)), None)
-    return how
+    return how, r.profile[-1]
 
 
 def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None) -> None:
@@ -55,12 +60,14 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None) -> None:
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
         settings = runner.settings.as_dict()
-        futures = {pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label): label
+        xla_dir = active_compilation_cache_dir()
+        futures = {pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label, xla_dir): label
                    for ov, label in jobs_list}
         for fut in concurrent.futures.as_completed(futures):
             label = futures[fut]
             try:
-                how = fut.result()
+                how, row = fut.result()
+                runner.profile.append({**row, "record": f"{label} (worker)"})
                 runner.progress(f"[{time.perf_counter() - runner.t0:7.1f}s] prefetch: {label} {how.split(' (')[0]}")
             except Exception as e:  # the check recomputes it; nothing is trusted from a failed worker
                 runner.progress(f"prefetch: {label} failed in its worker ({type(e).__name__}: {e}); computed later")

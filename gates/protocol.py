@@ -242,9 +242,16 @@ def run_protocol(
             return jnp.zeros(routing_shape, jnp.int32), jnp.bool_(False)
         return jnp.asarray(replay[i], jnp.int32), jnp.bool_(True)
 
+    phases = {"trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0, "stablehlo_bytes": 0}
+    programs = {}
+
     def step(p, opt_state, i):
-        loss, logp, grads, dropped, used, mismatch = grad_step(p, routing_arg(i))
-        p, opt_state, grad_norm = opt_step(p, opt_state, grads)
+        if not programs:  # once per run: every step feeds the same shapes and layouts, so one program each
+            programs["grad"] = _compile(grad_step, (p, routing_arg(i)), phases)
+        loss, logp, grads, dropped, used, mismatch = programs["grad"](p, routing_arg(i))
+        if "opt" not in programs:
+            programs["opt"] = _compile(opt_step, (p, opt_state, grads), phases)
+        p, opt_state, grad_norm = programs["opt"](p, opt_state, grads)
         return p, opt_state, loss, logp, grads, grad_norm, dropped, used, mismatch
 
     params = jax.tree.map(jnp.asarray, params)
@@ -270,11 +277,15 @@ def run_protocol(
     t0 = time.perf_counter()
     for i in range(settings.steps):
         ts = time.perf_counter()
+        building = sum(phases[k] for k in ("trace_s", "lower_s", "compile_s"))
         params, opt_state, loss, logp, grads, grad_norm, dropped, used, mismatch = step(params, opt_state, i)
         params = jax.device_put(params, layout)
         opt_state = jax.device_put(opt_state, opt_layout)
         jax.block_until_ready(params)
         step_s.append(time.perf_counter() - ts)
+        # this step's execution: its wall time less the tracing, lowering and compiling done inside it (step 1)
+        phases.setdefault("execute_s", []).append(
+            step_s[-1] - (sum(phases[k] for k in ("trace_s", "lower_s", "compile_s")) - building))
         steps.append(
             record_lib.StepRecord(
                 loss=np.asarray(loss),
@@ -298,4 +309,26 @@ def run_protocol(
     meta["step_s"] = [round(t, 3) for t in step_s]
     # The first step includes tracing + compilation; later steps reuse the executable.
     meta["compile_s_estimate"] = round(step_s[0] - (min(step_s[1:]) if len(step_s) > 1 else 0.0), 3)
+    # Per phase (``_compile``): seconds to trace, lower and compile both programs (compile: from the persistent
+    # compilation cache when it has them), the StableHLO size, and each step's execution.
+    meta["phases"] = {k: (round(v, 3) if isinstance(v, float) else [round(t, 3) for t in v] if isinstance(v, list)
+                          else v) for k, v in phases.items()}
     return record_lib.RunRecord(params0=params0, steps=steps, mask=np.asarray(batch.completion_mask), metadata=meta)
+
+
+def _compile(fn, args, phases: dict):
+    """``fn`` (a ``jax.jit``) traced, lowered and compiled for ``args`` ahead of time, each phase timed into ``phases``
+    (``trace_s``, ``lower_s``, ``compile_s``, ``stablehlo_bytes``). The program is the one ``fn(*args)`` would
+    compile; calling the result with arguments of another shape or layout raises instead of compiling again, so a run
+    is one compile per program."""
+    t = time.perf_counter()
+    traced = fn.trace(*args)
+    phases["trace_s"] += time.perf_counter() - t
+    t = time.perf_counter()
+    lowered = traced.lower()
+    phases["lower_s"] += time.perf_counter() - t
+    phases["stablehlo_bytes"] += len(lowered.as_text())
+    t = time.perf_counter()
+    compiled = lowered.compile()
+    phases["compile_s"] += time.perf_counter() - t
+    return compiled

@@ -21,6 +21,7 @@ from typing import Any
 
 from nxgates.gates import contracts as contracts_lib
 from nxgates.gates import gates as gates_lib
+from nxgates.gates import profile as profile_lib
 from nxgates.gates import protocol
 from nxgates.gates import record as record_lib
 from nxgates.gates.errors import BadInput
@@ -102,6 +103,7 @@ class Runner:
         self._params0 = None
         self._records: dict[str, tuple[record_lib.RunRecord, str]] = {}
         self._src_hash = source_hash(self.api.source_dirs, extra=self.api.config_files(config))
+        self.profile: list[dict] = []  # one ``gates.profile.row`` per record obtained (``nxgates run --profile``)
         self.t0 = time.perf_counter()
 
     # ---------------------------------------------------------------------------------------------------- flags
@@ -199,11 +201,19 @@ class Runner:
         if k in self._records:
             return self._records[k][0], "shared (computed for an earlier check)"
         compute = functools.partial(self.compute, flags, precision, label, replay=replay)
+        t, c = time.perf_counter(), time.process_time()
         if self.use_cache:
             self._records[k] = self.cache.get_or_compute(parts, compute, label=label)
         else:
             self._records[k] = (compute(), "computed")
+        self._profile(label, self._records[k], t, c)
         return self._records[k]
+
+    def _profile(self, label: str, obtained: tuple[record_lib.RunRecord, str], t: float, c: float) -> None:
+        """A ``gates.profile.row`` for a record obtained since wall clock ``t`` and process CPU time ``c``."""
+        rec, how = obtained
+        self.profile.append(profile_lib.row(label, how, rec.metadata, time.perf_counter() - t,
+                                            time.process_time() - c))
 
     # ---------------------------------------------------------------------------------------------------- checks
     def run_check(self, spec: contracts_lib.CheckSpec, *, candidate_loss_fn=protocol.grpo_loss,
@@ -222,13 +232,17 @@ class Runner:
             # tolerance edit costs no model run). A mutated one (override, loss) never goes near the cache.
             candidate, how_cand = self.shared_record(candidate_flags, "production", label, replay)
         elif candidate_context is None:
+            tc = time.perf_counter(), time.process_time()
             candidate = self.compute(candidate_flags, "production", label, loss_fn=candidate_loss_fn, replay=replay)
             how_cand = "computed"
+            self._profile(label, (candidate, how_cand), *tc)
         else:
+            tc = time.perf_counter(), time.process_time()
             with candidate_context:
                 candidate = self.compute(candidate_flags, "production", label, loss_fn=candidate_loss_fn,
                                          replay=replay)
             how_cand = "computed"
+            self._profile(label, (candidate, how_cand), *tc)
         results, problems = gates_lib.evaluate(candidate, control, reference, spec.contract, self.tolerances)
         return CheckResult(
             spec=spec,

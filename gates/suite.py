@@ -45,12 +45,14 @@ def check(
     progress: Callable[[str], None] | None = stderr,
     on_check: Callable[[Any], None] | None = None,
     jobs: int = 1,
+    profile: list | None = None,
 ):
     """Run the gates: ``flags=None`` checks every tuning flag alone and the tuned combination; otherwise one check
     of ``flags`` ({key: value or string}) plus the prerequisite tuning flags the model's rules name (printed).
     Returns a ``gates.report.Report``. Bad input raises ``ConfigError`` (``model.flags``) or ``BadInput``, both
     ``ValueError``, before anything is computed. ``on_check(partial_report)`` is
-    called after each check (the CLI writes the reports so far). ``jobs > 1`` (with the cache and the real model):
+    called after each check (the CLI writes the reports so far); ``profile``: a list that gets one
+    ``gates.profile.row`` per record (where the time went). ``jobs > 1`` (with the cache and the real model):
     the records are computed first by that many worker processes (``gates.prefetch``), then the checks read them."""
     tols = load_tolerances(tolerances_path) if tolerances_path else load_tolerances()
     runner = Runner(config, api=api, settings=settings,
@@ -72,6 +74,8 @@ def check(
             on_check(report_lib.Report(config=config, checks=list(checks), golden=None, env=runner.env,
                                        tolerances=tols, wall_s=round(time.perf_counter() - runner.t0, 2),
                                        pending=[s.name for s in specs[len(checks):]]))
+    if profile is not None:  # ``gates.profile.row`` per record, for ``nxgates run --profile``
+        profile.extend(runner.profile)
     base = runner.base_control()
     gold = None
     if base is not None:

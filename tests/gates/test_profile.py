@@ -1,0 +1,152 @@
+"""Where the time goes (``nxgates run --profile``) and the persistent compilation cache: a record computed from a
+cached executable has the same bits as one compiled afresh.
+
+Run: python -m pytest tests/gates/test_profile.py -q
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from nxgates.gates import profile
+from nxgates.gates import protocol as P
+from nxgates.gates import record as record_lib
+
+
+def _double_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0 + 1.0
+
+
+@functools.lru_cache(maxsize=1)
+def _mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]), ("fsdp",))  # Auto axes, as the model's mesh
+
+
+def _model(vocab: int):
+    """A log-prob model on an 8-device mesh with an interpreted Pallas kernel in its forward (as the real model's
+    kernels run on CPU), sharded parameters and bf16 compute."""
+
+    def log_probs(p, tokens):
+        x = jax.nn.one_hot(tokens[:, :-1], vocab, dtype=jnp.bfloat16)
+        logits = (x @ p["w"].astype(jnp.bfloat16)).astype(jnp.float32)  # [B, S-1, V]
+        bias = pl.pallas_call(_double_kernel, out_shape=jax.ShapeDtypeStruct(p["b"].shape, jnp.float32),
+                              interpret=True)(jax.lax.stop_gradient(p["b"]))
+        logp = jax.nn.log_softmax(logits + p["b"] * bias, axis=-1)
+        return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0], {"dropped_tokens": 0}
+
+    return log_probs
+
+
+def _run(seed_name: str = "xla-cache-params"):
+    vocab = 16
+    batch = P.make_batch(8, 12, vocab, P.seed_for("xla-cache-B8-S12-V16"))
+    rng = np.random.default_rng(P.seed_for(seed_name))
+    params = {"w": rng.standard_normal((vocab, vocab)).astype(np.float32) * 0.1,
+              "b": rng.standard_normal(vocab).astype(np.float32) * 0.1}
+    spec = jax.sharding.PartitionSpec
+    layout = {"w": jax.sharding.NamedSharding(_mesh(), spec("fsdp")), "b": jax.sharding.NamedSharding(_mesh(), spec())}
+    params = jax.device_put(params, layout)
+    return P.run_protocol(_model(vocab), params, batch)
+
+
+def assert_same_bits(a: record_lib.RunRecord, b: record_lib.RunRecord) -> None:
+    """Every array of two records has the same dtype, shape and bytes."""
+    xa, xb = a.to_arrays(), b.to_arrays()
+    assert sorted(xa) == sorted(xb)
+    for k in xa:
+        assert xa[k].dtype == xb[k].dtype and xa[k].shape == xb[k].shape, k
+        assert xa[k].tobytes() == xb[k].tobytes(), f"{k} differs"
+
+
+@pytest.fixture
+def compile_events():
+    """The persistent cache's hits and misses while the test runs."""
+    seen = {"hits": 0, "misses": 0}
+
+    def listen(event, **kwargs):
+        if event == "/jax/compilation_cache/cache_hits":
+            seen["hits"] += 1
+        elif event == "/jax/compilation_cache/cache_misses":
+            seen["misses"] += 1
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+
+
+@pytest.fixture
+def fresh_compile_cache(tmp_path):
+    """JAX's persistent compilation cache in an empty folder for this test; the previous one afterwards."""
+    before = profile.active_compilation_cache_dir()
+    path = profile.enable_compilation_cache(tmp_path)
+    jax.clear_caches()
+    try:
+        yield path
+    finally:
+        jax.clear_caches()
+        if before is None:
+            jax.config.update("jax_compilation_cache_dir", None)
+            from jax._src import compilation_cache
+
+            compilation_cache.reset_cache()
+        else:
+            profile.use_compilation_cache_dir(before)
+
+
+def test_a_cache_hit_gives_the_same_bits(fresh_compile_cache, compile_events):
+    """A run that compiles (and writes the cache), then the same run from the cached executables: every loss, log-prob,
+    gradient and parameter has the same bits; the second run compiled nothing of the protocol's two programs."""
+    first = _run()
+    written = [p for p in fresh_compile_cache.iterdir() if p.name.startswith(("jit_grad_step", "jit_opt_step"))]
+    assert len(written) == 2, sorted(p.name for p in fresh_compile_cache.iterdir())
+    jax.clear_caches()  # nothing compiled stays in memory: the second run must read the folder
+    hits = compile_events["hits"]
+    second = _run()
+    assert compile_events["hits"] - hits >= 2
+    assert_same_bits(first, second)
+    assert first.metadata["phases"]["compile_s"] > 0 and second.metadata["phases"]["stablehlo_bytes"] > 0
+
+
+def test_same_bits_check_catches_one_flipped_bit_and_another_run():
+    """The comparison above is not vacuous: one flipped bit of one gradient, or other initial parameters, fail it."""
+    rec = _run()
+    arrays = rec.to_arrays()
+    name = next(k for k in arrays if "/grads/" in k)
+    flipped = arrays[name].copy()
+    flipped.view(np.uint32).flat[0] ^= 1
+    other = record_lib.RunRecord.from_arrays({**arrays, name: flipped}, {**rec.metadata, "num_steps": rec.num_steps})
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_bits(rec, other)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_bits(rec, _run("xla-cache-other-params"))
+
+
+def test_the_cache_folder_names_the_host_cpu(tmp_path, monkeypatch):
+    """Executables are compiled for the host CPU: the folder is ``<root>/xla/<host id>``, and $NXGATES_CACHE is the
+    default root."""
+    path = profile.compilation_cache_dir(tmp_path)
+    assert path == tmp_path / "xla" / profile.host_id() and len(profile.host_id()) == 16
+    monkeypatch.setenv("NXGATES_CACHE", str(tmp_path / "env"))
+    assert profile.compilation_cache_dir() == tmp_path / "env" / "xla" / profile.host_id()
+
+
+def test_profile_rows_and_totals():
+    """A computed record's phases count in the totals; a cached one's are shown in brackets and do not."""
+    meta = {"phases": {"trace_s": 1.0, "lower_s": 2.0, "compile_s": 30.0, "stablehlo_bytes": 4096,
+                       "execute_s": [5.0, 1.0, 1.0]}}
+    rows = [profile.row("control", "computed", meta, 40.0, 45.0),
+            profile.row("reference", "cached", meta, 0.5, 0.4)]
+    assert rows[0]["execute_s"] == 7.0 and rows[0]["stablehlo_kb"] == 4 and rows[1]["computed"] is False
+    text = profile.table(rows)
+    total = text.splitlines()[-1].split()
+    assert total[:3] == ["total", "1", "computed"]
+    assert total[5:10] == ["1.0", "2.0", "30.0", "7.0", "4"]  # the cached row's phases are not added
+    assert "(30.0)" in text
