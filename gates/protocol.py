@@ -25,6 +25,7 @@ The model is reached through a ``ModelAPI`` (the functions of ``model.config`` /
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -183,6 +184,7 @@ def run_protocol(
     progress: Callable[[str], None] | None = None,
     label: str = "run",
     replay: Sequence[np.ndarray] | None = None,
+    lookup: Callable[[str], record_lib.RunRecord | None] | None = None,
 ) -> record_lib.RunRecord:
     """Run ``settings.steps`` optimizer steps of the RL loss and record every step.
 
@@ -194,6 +196,11 @@ def run_protocol(
     "routing_mismatch", recorded per step. ``replay=None``: every step routes by its own top-k (the control);
     ``replay=[ids of step 1, ...]``: step i uses those experts (the candidate and the reference replay the control's).
     Both run the same program (``on`` is data), so an exact flag stays bit-identical under replay.
+
+    ``lookup(program_sha256)``: called once the model's program is lowered (before it is compiled), with the sha256 of
+    its StableHLO text (no source locations: a docstring or comment edit leaves it unchanged); a record it returns is
+    returned as is (the caller keys it with the inputs, ``gates.provenance.program_record_key``), else the run goes
+    on. ``metadata["program_sha256"]`` keeps the digest.
     """
     tokens = jnp.asarray(batch.tokens)
     mask = jnp.asarray(batch.completion_mask)
@@ -246,11 +253,9 @@ def run_protocol(
     programs = {}
 
     def step(p, opt_state, i):
-        if not programs:  # once per run: every step feeds the same shapes and layouts, so one program each
-            programs["grad"] = _compile(grad_step, (p, routing_arg(i)), phases)
         loss, logp, grads, dropped, used, mismatch = programs["grad"](p, routing_arg(i))
         if "opt" not in programs:
-            programs["opt"] = _compile(opt_step, (p, opt_state, grads), phases)
+            programs["opt"] = _compile(_lower(opt_step, (p, opt_state, grads), phases)[0], phases)
         p, opt_state, grad_norm = programs["opt"](p, opt_state, grads)
         return p, opt_state, loss, logp, grads, grad_norm, dropped, used, mismatch
 
@@ -272,6 +277,14 @@ def run_protocol(
         opt_state,
     )
     opt_state = jax.device_put(opt_state, opt_layout)
+    # The model's program, once per run (every step feeds the same shapes and layouts): lowered first, so that a
+    # caller's ``lookup`` can find the record of the same program before anything is compiled or run.
+    lowered, program_sha256 = _lower(grad_step, (params, routing_arg(0)), phases)
+    if lookup is not None:
+        found = lookup(program_sha256)
+        if found is not None:
+            return found
+    programs["grad"] = _compile(lowered, phases)
     steps = []
     step_s = []
     t0 = time.perf_counter()
@@ -305,6 +318,7 @@ def run_protocol(
     meta = dict(metadata or {})
     meta.setdefault("settings", settings.as_dict())
     meta.setdefault("batch_seed", batch.seed)
+    meta["program_sha256"] = program_sha256
     meta["wall_s"] = round(time.perf_counter() - t0, 3)
     meta["step_s"] = [round(t, 3) for t in step_s]
     # The first step includes tracing + compilation; later steps reuse the executable.
@@ -316,18 +330,25 @@ def run_protocol(
     return record_lib.RunRecord(params0=params0, steps=steps, mask=np.asarray(batch.completion_mask), metadata=meta)
 
 
-def _compile(fn, args, phases: dict):
-    """``fn`` (a ``jax.jit``) traced, lowered and compiled for ``args`` ahead of time, each phase timed into ``phases``
-    (``trace_s``, ``lower_s``, ``compile_s``, ``stablehlo_bytes``). The program is the one ``fn(*args)`` would
-    compile; calling the result with arguments of another shape or layout raises instead of compiling again, so a run
-    is one compile per program."""
+def _lower(fn, args, phases: dict):
+    """(lowered, sha256 of its StableHLO text): ``fn`` (a ``jax.jit``) traced and lowered for ``args`` ahead of time,
+    each phase timed into ``phases`` (``trace_s``, ``lower_s``, ``stablehlo_bytes``). The program is the one
+    ``fn(*args)`` would compile; the text has no source locations."""
     t = time.perf_counter()
     traced = fn.trace(*args)
     phases["trace_s"] += time.perf_counter() - t
     t = time.perf_counter()
     lowered = traced.lower()
     phases["lower_s"] += time.perf_counter() - t
-    phases["stablehlo_bytes"] += len(lowered.as_text())
+    text = lowered.as_text().encode()
+    phases["stablehlo_bytes"] += len(text)
+    return lowered, hashlib.sha256(text).hexdigest()
+
+
+def _compile(lowered, phases: dict):
+    """The executable of a ``_lower`` result, timed into ``phases["compile_s"]`` (a persistent compilation cache hit
+    is a read). Calling it with arguments of another shape or layout raises instead of compiling again, so a run is
+    one compile per program."""
     t = time.perf_counter()
     compiled = lowered.compile()
     phases["compile_s"] += time.perf_counter() - t

@@ -1,14 +1,22 @@
-"""Where a run record comes from: the environment, the source hash, the replayed routing, and the record's cache key.
+"""Where a run record comes from: the environment, the source hash, the replayed routing, and the record's cache keys.
 
 A record is determined by its key (``record_key``): the config and its values, the flags, the precision, the protocol
 settings, the seeds, the environment (versions, device), the sha256 of the sources that compute it, and the digest of
 the routing it replays. Any change to one of them is a different record (a cache miss), never a stale one.
+
+The sources' hash changes with any edit, a comment too; so the record itself is stored under ``program_record_key``,
+what determines it once the model's program is lowered: the sha256 of that program's StableHLO text (no source
+locations), the digests of its inputs (initial parameters, batch, replayed routing), the protocol settings, the
+protocol's own source (the optimizer's program, the host-side recording), ``XLA_FLAGS``, the environment, and the
+config, flags and precision it was asked for. ``record_key`` then only names the record (``gates.runner``: an alias),
+and an edit that changes no program finds the record after one lowering, without compiling or running anything.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import pathlib
 import platform
 from collections.abc import Mapping
@@ -87,5 +95,45 @@ def record_key(*, config: str, config_values: Mapping[str, Any], flags: Mapping[
         "source_sha256": source_sha256,
     }
     if replay is not None:  # a replaying run depends on the routing it replays
+        parts["routing_replay_sha256"] = routing_digest(replay)
+    return parts
+
+
+def arrays_digest(arrays: Mapping[str, np.ndarray]) -> str:
+    """sha256 of named arrays (names, dtypes, shapes and bytes, sorted by name)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(np.asarray(arrays[name]))
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def protocol_source_hash() -> str:
+    """sha256 of ``gates/protocol.py`` (the optimizer's program and the host-side recording live there)."""
+    return source_hash(dirs=(), files=SOURCE_FILES)
+
+
+def program_record_key(*, program_sha256: str, params0_sha256: str, batch_sha256: str, config: str,
+                       config_values: Mapping[str, Any], flags: Mapping[str, Any], precision: str,
+                       settings: Mapping[str, Any], env: Mapping[str, Any], implementations: Mapping[str, Any],
+                       replay=None) -> dict:
+    """The parts that determine a run record once its program is lowered (see the module's docstring)."""
+    parts = {
+        "kind": "run-record-by-program",
+        "program_sha256": program_sha256,
+        "params0_sha256": params0_sha256,
+        "batch_sha256": batch_sha256,
+        "config": config,
+        "config_values": config_values,
+        "flags": flags,
+        "precision": precision,
+        "settings": settings,
+        "env": env,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "protocol_sha256": protocol_source_hash(),
+        "implementations": dict(implementations),
+    }
+    if replay is not None:
         parts["routing_replay_sha256"] = routing_digest(replay)
     return parts

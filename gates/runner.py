@@ -14,19 +14,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import pathlib
 import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from nxgates.gates import atomic, protocol
 from nxgates.gates import contracts as contracts_lib
 from nxgates.gates import gates as gates_lib
 from nxgates.gates import profile as profile_lib
-from nxgates.gates import protocol
 from nxgates.gates import record as record_lib
 from nxgates.gates.errors import BadInput
 from nxgates.gates.model_api import ModelAPI, default_model_api
-from nxgates.gates.provenance import environment, record_key, routing_digest, source_hash
+from nxgates.gates.provenance import (
+    arrays_digest,
+    environment,
+    program_record_key,
+    record_key,
+    routing_digest,
+    source_hash,
+)
 from nxgates.gates.tolerances import Tolerances, load_tolerances
 
 
@@ -103,6 +112,7 @@ class Runner:
         self._params0 = None
         self._records: dict[str, tuple[record_lib.RunRecord, str]] = {}
         self._src_hash = source_hash(self.api.source_dirs, extra=self.api.config_files(config))
+        self._inputs_sha256: tuple[str, str] | None = None  # (params0, batch) digests for the program keys
         self.profile: list[dict] = []  # one ``gates.profile.row`` per record obtained (``nxgates run --profile``)
         self.t0 = time.perf_counter()
 
@@ -170,7 +180,9 @@ class Runner:
                           seeds=self.seeds, env=self.env, source_sha256=self._src_hash, replay=replay)
 
     def compute(self, flags, precision: str, label: str, *, loss_fn=protocol.grpo_loss,
-                replay=None) -> record_lib.RunRecord:
+                replay=None, lookup=None) -> record_lib.RunRecord:
+        """A fresh run of ``flags`` at ``precision``. ``lookup(fn, program_sha256)``: ``run_protocol``'s lookup, given
+        the built model function too (a record it returns is returned instead of compiling and running)."""
         self.progress(f"[{time.perf_counter() - self.t0:7.1f}s] {label}: tracing + compiling ({precision})")
         mesh = self.api.make_mesh(flags)
         fn = self.api.build_log_probs(self.cfg, flags, precision=precision, mesh=mesh)
@@ -188,7 +200,8 @@ class Runner:
         if replay is not None:
             meta["routing_replay_sha256"] = routing_digest(replay)
         rec = protocol.run_protocol(fn, params, self.batch, self.settings, metadata=meta, loss_fn=loss_fn,
-                                    progress=progress, label=label, replay=replay)
+                                    progress=progress, label=label, replay=replay,
+                                    lookup=None if lookup is None else functools.partial(lookup, fn))
         rec.metadata["implementations"] = dict(self.api.implementations(fn))
         rec.metadata["run_s"] = round(time.perf_counter() - t, 3)
         return rec
@@ -200,14 +213,75 @@ class Runner:
         k = record_lib.key_digest(parts)
         if k in self._records:
             return self._records[k][0], "shared (computed for an earlier check)"
-        compute = functools.partial(self.compute, flags, precision, label, replay=replay)
         t, c = time.perf_counter(), time.process_time()
         if self.use_cache:
-            self._records[k] = self.cache.get_or_compute(parts, compute, label=label)
+            self._records[k] = self._cached_or_computed(k, flags, precision, label, replay)
         else:
-            self._records[k] = (compute(), "computed")
+            self._records[k] = (self.compute(flags, precision, label, replay=replay), "computed")
         self._profile(label, self._records[k], t, c)
         return self._records[k]
+
+    def program_key_parts(self, fn, program_sha256: str, flags, precision: str, replay=None) -> dict:
+        """The key the record of ``fn``'s lowered program is stored under (``program_record_key``)."""
+        if self._inputs_sha256 is None:
+            params0 = protocol.tree_to_named(self.params0())
+            batch = {"tokens": self.batch.tokens, "completion_mask": self.batch.completion_mask,
+                     "advantages": self.batch.advantages}
+            self._inputs_sha256 = (arrays_digest(params0), arrays_digest(batch))
+        return program_record_key(
+            program_sha256=program_sha256, params0_sha256=self._inputs_sha256[0], batch_sha256=self._inputs_sha256[1],
+            config=self.config_name, config_values=self.api.as_dict(self.cfg), flags=self.api.as_dict(flags),
+            precision=precision, settings=self.settings.as_dict(), env=self.env,
+            implementations=self.api.implementations(fn), replay=replay)
+
+    def _alias_path(self, digest: str) -> pathlib.Path:
+        return pathlib.Path(self.cache.root) / "by-source" / f"{digest}.json"
+
+    def _cached_or_computed(self, digest: str, flags, precision: str, label: str, replay):
+        """(record, how) through the record cache. The record is stored under its program's key
+        (``program_key_parts``); ``by-source/<digest>.json`` names that key for ``digest`` (the sources' key,
+        ``key_parts``), so an unchanged source tree finds it without building anything, and after an edit that
+        changes no program the lowered program finds it (one trace and lowering, no compile, no run)."""
+        alias = self._alias_path(digest)
+        how = "computed"
+        try:
+            program_parts = json.loads(alias.read_text())["program_key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            program_parts = None
+        if program_parts is not None:
+            try:
+                rec = self.cache.load(program_parts)
+                self.progress(f"{label}: cached (record {record_lib.key_digest(program_parts)})")
+                return rec, "cached"
+            except FileNotFoundError:
+                pass
+            except record_lib.CacheEntryInvalid as e:
+                how = f"recomputed: {e}"
+                self.progress(f"{label}: cache entry rejected, recomputing: {e}")
+        found: dict = {}
+
+        def lookup(fn, program_sha256):
+            found["parts"] = parts = self.program_key_parts(fn, program_sha256, flags, precision, replay)
+            try:
+                rec = self.cache.load(parts)
+            except FileNotFoundError:
+                return None
+            except record_lib.CacheEntryInvalid as e:
+                found["how"] = f"recomputed: {e}"
+                self.progress(f"{label}: cache entry rejected, recomputing: {e}")
+                return None
+            found["hit"] = True
+            self.progress(f"{label}: cached, the same program (record {record_lib.key_digest(parts)})")
+            return rec
+
+        rec = self.compute(flags, precision, label, replay=replay, lookup=lookup)
+        if found.get("hit"):
+            how = "cached (the same program and inputs)"
+        else:
+            how = found.get("how", how)
+            self.cache.store(found["parts"], rec)
+        atomic.write_json_atomic(alias, {"program_key": found["parts"]})
+        return rec, how
 
     def _profile(self, label: str, obtained: tuple[record_lib.RunRecord, str], t: float, c: float) -> None:
         """A ``gates.profile.row`` for a record obtained since wall clock ``t`` and process CPU time ``c``."""
