@@ -81,7 +81,7 @@ def summaries(grads=None, params=None, *, prev_params=None, width: int = DEFAULT
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted_summaries(width: int, seed: int):
+def jitted_summaries(width: int, seed: int):
     return jax.jit(functools.partial(summaries, width=width, seed=seed))
 
 
@@ -186,7 +186,7 @@ class Recorder:
                 records_lib.field_group(k)  # refuses a key that is not a record field
                 arrays[k] = np.asarray(jax.device_get(v))
         if grads is not None or params is not None:
-            fn = _jitted_summaries(self.spec.width, self.spec.seed)
+            fn = jitted_summaries(self.spec.width, self.spec.seed)
             arrays.update({k: np.asarray(v) for k, v in jax.device_get(fn(grads, params, prev_params=prev_params))
                            .items()})
             self._note_tensors(grads, params)
