@@ -70,51 +70,6 @@ class RunRecord:
     def tensor_names(self) -> list[str]:
         return sorted(self.params0)
 
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        out = {"mask": self.mask}
-        for name, a in self.params0.items():
-            out[f"params0/{name}"] = a
-        for i, s in enumerate(self.steps):
-            out[f"step{i}/loss"] = np.asarray(s.loss)
-            out[f"step{i}/logp"] = s.logp
-            out[f"step{i}/grad_norm"] = np.asarray(s.grad_norm)
-            out[f"step{i}/dropped_tokens"] = np.asarray(s.dropped_tokens, np.int64)
-            out[f"step{i}/routing_mismatch"] = np.asarray(s.routing_mismatch, np.int64)
-            if s.routing is not None:
-                out[f"step{i}/routing"] = s.routing
-            for name, a in s.grads.items():
-                out[f"step{i}/grads/{name}"] = a
-            for name, a in s.params.items():
-                out[f"step{i}/params/{name}"] = a
-        return out
-
-    @classmethod
-    def from_arrays(cls, arrays: Mapping[str, np.ndarray], metadata: dict[str, Any]) -> RunRecord:
-        num_steps = int(metadata["num_steps"])
-        params0 = {k[len("params0/"):]: arrays[k] for k in arrays if k.startswith("params0/")}
-        steps = []
-        for i in range(num_steps):
-            g, p = f"step{i}/grads/", f"step{i}/params/"
-            steps.append(
-                StepRecord(
-                    loss=np.asarray(arrays[f"step{i}/loss"]),
-                    logp=np.asarray(arrays[f"step{i}/logp"]),
-                    grads={k[len(g):]: arrays[k] for k in arrays if k.startswith(g)},
-                    grad_norm=np.asarray(arrays[f"step{i}/grad_norm"]),
-                    params={k[len(p):]: arrays[k] for k in arrays if k.startswith(p)},
-                    dropped_tokens=int(arrays[f"step{i}/dropped_tokens"]),
-                    routing=np.asarray(arrays[f"step{i}/routing"]) if f"step{i}/routing" in arrays else None,
-                    routing_mismatch=int(arrays[f"step{i}/routing_mismatch"]),
-                )
-            )
-        rec = cls(params0=params0, steps=steps, mask=np.asarray(arrays["mask"]), metadata=metadata)
-        names = set(params0)
-        for i, s in enumerate(steps):
-            if set(s.grads) != names or set(s.params) != names:
-                raise ValueError(f"record: step {i} tensors differ from params0 "
-                                 f"({len(s.grads)} grads, {len(names)} params)")
-        return rec
-
 
 class CacheEntryInvalid(Exception):
     """A cache entry that must not be trusted; the message says why."""
@@ -126,10 +81,6 @@ def canonical_json(obj: Any) -> str:
 
 def key_digest(key_parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json(key_parts).encode()).hexdigest()[:32]
-
-
-def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
-    return records.npz_bytes(arrays)
 
 
 # ------------------------------------------------------------------------------------- RunRecord <-> the record format
