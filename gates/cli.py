@@ -11,6 +11,9 @@ Commands:
     golden          python -m nxgates golden [--config tiny]: rebuild fixtures/golden/<config>.json from a fresh control
     mutants         python -m nxgates mutants [--config tiny] [--only NAME ...]: deliberately wrong variants must fail
                     exactly their predicted gates (exit 0 when every one does)
+    compare         python -m nxgates compare CONTROL CANDIDATE [--reference REF] [--contract rounding|exact]
+                    [--tolerances FILE] [--json] [--out DIR]: the six gates on recorded runs of any trainer
+                    (gates.compare, docs/records.md); exit 0 pass, 1 a gate fails, 2 bad or insufficient records
 Global: --accelerator (use the default jax backend instead of 8 host CPU devices; read in gates/__main__.py).
 """
 
@@ -22,7 +25,7 @@ import sys
 import time
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
-COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants")
+COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "compare")
 
 
 def _progress(msg: str) -> None:
@@ -89,6 +92,15 @@ def _parser() -> argparse.ArgumentParser:
     common(mu)
     mu.add_argument("--only", nargs="+", action="extend", metavar="NAME", help="run only these mutants")
     sub.add_parser("kernels", help="per-kernel tolerance report (gates.kernel_report)", add_help=False)
+    cmp = sub.add_parser("compare", help="the six gates on recorded runs (docs/records.md)")
+    cmp.add_argument("control", help="the control's run directory")
+    cmp.add_argument("candidate", help="the candidate's run directory")
+    cmp.add_argument("--reference", default=None, help="the reference's run directory (live bounds)")
+    cmp.add_argument("--contract", choices=("rounding", "exact"), default="rounding")
+    cmp.add_argument("--tolerances", default=None, help="tolerance table (rel, slack per gate)")
+    cmp.add_argument("--json", action="store_true", help="print the JSON report on stdout instead of the table")
+    cmp.add_argument("--out", default=None, help="also write compare.json and compare.md here")
+    cmp.add_argument("--accelerator", action="store_true", help="use the default jax backend (set before jax loads)")
     return p
 
 
@@ -105,6 +117,10 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
             return EXIT_BAD_INPUT
         return int(kernel_report.main(rest))
     args = _parser().parse_args(argv)  # argparse exits 2 with a message naming the argument
+    if args.command == "compare":  # records only: no model needed
+        from nxgates.gates import compare
+
+        return compare.main(args)
     from nxgates.gates.runner import BadInput, default_model_api
 
     custom_api = api is not None  # worker processes (run --jobs) can only rebuild the real model package's API

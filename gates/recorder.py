@@ -43,7 +43,7 @@ from nxgates.gates import records as records_lib
 from nxgates.gates import sketch as sketch_lib
 from nxgates.gates.sketch import DEFAULT_WIDTH, SketchSpec
 
-META_KEYS = ("trainer", "config", "flags", "versions", "device", "seeds", "extra")
+META_KEYS = ("trainer", "config", "flags", "versions", "device", "seeds", "batch", "extra")
 
 
 def summaries(grads=None, params=None, *, prev_params=None, width: int = DEFAULT_WIDTH, seed: int = 0) -> dict:
@@ -108,8 +108,9 @@ def _scalar(name: str, value, *, integer: bool = False) -> np.ndarray:
 
 class Recorder:
     """Writes a run directory: meta.json at open (rewritten after every step and at close), one step file pair per
-    step. ``meta``: any of trainer, config, flags, versions, device, seeds (JSON-able; versions and device default to
-    this process's) and extra; other keys go into extra. ``full_tensors=True`` also stores whole gradients and
+    step. ``meta``: any of trainer, config, flags, versions, device, seeds, batch (JSON-able; versions and device
+    default to this process's; compare refuses records whose config or batch differ) and extra; other keys go into
+    extra. ``full_tensors=True`` also stores whole gradients and
     parameters (small models only)."""
 
     def __init__(self, out_dir: str | pathlib.Path, *, sketch_width: int = DEFAULT_WIDTH, seed: int = 0,
@@ -129,7 +130,7 @@ class Recorder:
         self.meta = records_lib.new_meta(
             trainer=given.get("trainer", "unknown"), config=given.get("config"), flags=given.get("flags"),
             versions=given.get("versions", versions), device=given.get("device", device), seeds=given.get("seeds"),
-            sketch=self.spec, extra=extra)
+            batch=given.get("batch"), sketch=self.spec, extra=extra)
         self.full_tensors = bool(full_tensors)
         self._last = 0
         self._closed = False

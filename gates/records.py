@@ -2,7 +2,7 @@
 
 A run is a directory::
 
-    RUN/meta.json          format, format_version, trainer, config, flags, versions, device, seeds, sketch spec,
+    RUN/meta.json          format, format_version, trainer, config, flags, versions, device, seeds, batch, sketch spec,
                            tensors (path -> shape, dtype, exact), steps, closed, created, extra
     RUN/steps/000001.npz   the step's arrays (any subset of the fields below)
     RUN/steps/000001.json  the step's sidecar, written after the npz (the commit marker): step, fields, the npz's
@@ -77,7 +77,7 @@ def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
 # ----------------------------------------------------------------------------------------------------------- writing
 def new_meta(*, trainer: str = "unknown", config: Any = None, flags: Any = None, versions: Any = None,
              device: Any = None, seeds: Any = None, sketch: SketchSpec | None = None, extra: Any = None,
-             created: str | None = None) -> dict:
+             batch: Any = None, created: str | None = None) -> dict:
     import time
 
     return {
@@ -89,6 +89,7 @@ def new_meta(*, trainer: str = "unknown", config: Any = None, flags: Any = None,
         "versions": versions if versions is not None else {},
         "device": device if device is not None else {},
         "seeds": seeds if seeds is not None else {},
+        "batch": batch,
         "sketch": None if sketch is None else sketch.to_json(),
         "tensors": {},
         "steps": [],
