@@ -150,17 +150,18 @@ def make_train_step(cfg: dict, variant: str, opt, sketch_width: int, sketch_seed
         new_params = optax.apply_updates(params, updates)
         # nxgates: gradient, parameter and update sketches, fingerprints, per-tensor norms, inside the jitted step
         summ = recorder.summaries(grads, new_params, prev_params=params, width=sketch_width, seed=sketch_seed)
-        return new_params, opt_state, loss, optax.global_norm(grads), lp, summ
+        return new_params, opt_state, loss, optax.tree.norm(grads), lp, summ
 
     return train_step
 
 
-def _shardings(params, tokens, mask):
-    """FSDP-style placement over every device: batch over "data", each weight over its first axis (where divisible)."""
-    n = jax.device_count()
+def _shardings(params, tokens, mask, devices: int | None):
+    """FSDP-style placement over ``devices`` devices (default all): batch over "data", each weight over its first axis
+    (where divisible)."""
+    n = jax.device_count() if devices is None else devices
     if n == 1 or tokens.shape[0] % n:
         return params, tokens, mask
-    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
     P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
 
     def place(x):
@@ -170,11 +171,12 @@ def _shardings(params, tokens, mask):
     return jax.tree.map(place, params), place(jnp.asarray(tokens)), place(jnp.asarray(mask))
 
 
-def train(out: str, variant: str, cfg: dict, *, sketch_width: int = 256, sketch_seed: int = 0) -> None:
+def train(out: str, variant: str, cfg: dict, *, sketch_width: int = 256, sketch_seed: int = 0,
+          devices: int | None = None) -> None:
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r} must be one of {VARIANTS}")
     tokens, mask = make_batch(cfg)
-    params, tokens, mask = _shardings(init_params(cfg), tokens, mask)
+    params, tokens, mask = _shardings(init_params(cfg), tokens, mask, devices)
     opt = make_optimizer(cfg)
     opt_state = opt.init(params)
     step_fn = make_train_step(cfg, variant, opt, sketch_width, sketch_seed)
@@ -203,14 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sketch-width", type=int, default=256)
     p.add_argument("--sketch-seed", type=int, default=0)
+    p.add_argument("--devices", type=int, default=None, help="shard over the first N devices (default: all)")
     args = p.parse_args(argv)
     for name in ("steps", "vocab", "d_model", "d_hidden", "batch", "seq", "sketch_width"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.seq < 4:
         p.error(f"--seq={args.seq} must be >= 4")
+    if args.devices is not None and not 1 <= args.devices <= jax.device_count():
+        p.error(f"--devices={args.devices} must be in [1, {jax.device_count()}]")
     train(args.out, args.variant, config_from_args(args), sketch_width=args.sketch_width,
-          sketch_seed=args.sketch_seed)
+          sketch_seed=args.sketch_seed, devices=args.devices)
     return 0
 
 
