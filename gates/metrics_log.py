@@ -289,3 +289,46 @@ def main(args) -> int:
                   f"{sm['max_rel_resolution']:.1e} (relative) are not resolved by this log, and bit-identity cannot "
                   "be proven from it")
     return 0
+
+
+def precision_verdict(gate: str, step: int, candidate, control, reference, *, source: str | None, contract: str,
+                      vs_control: float, vs_reference: float | None, control_vs_reference: float | None,
+                      bounds_at) -> tuple[bool, str]:
+    """What the logged precision allows ``compare`` to say about N1 (loss) or N3 (from ``grad_norm``) at ``step``:
+    (decidable, note). Not from a log (or every value exact): (True, ""). Otherwise each metric lies in an interval
+    (``resolved``) and so does each bound (``bounds_at(m(control, reference))`` -> (bound vs control, bound vs
+    reference | None), evaluated at both ends of m(control, reference)'s interval): decidable when some metric lies
+    wholly above its bound (a proven failure) or every metric wholly below its bound (a proven pass); the note says
+    what the log resolves. Not decidable (compare reports n/a with the note) when an interval overlaps its bound, and
+    for the ``exact`` contract on a value that is not exact (a rounded log cannot prove bit-identity)."""
+    field = {"N1": "loss", "N3": "grad_norm"}.get(gate)
+    if field is None or (gate == "N3" and source != "grad_norm"):
+        return True, ""
+    runs = {"candidate": candidate, "control": control} | ({"reference": reference} if reference is not None else {})
+    res = {k: logged_resolution(r.meta, field, step) or 0.0 for k, r in runs.items()}
+    if not any(res.values()):
+        return True, ""
+    val = {k: float(np.asarray(r.steps[step].get(field), np.float64)) for k, r in runs.items()}
+    digits = sorted({p["digits"] for r in runs.values()
+                     for p in [((r.meta.get("extra") or {}).get(META_KEY) or {}).get("precision", {})
+                               .get(field, {}).get(str(step))] if p})
+    logged = f"{field} logged to {'/'.join(map(str, digits))} significant digits"
+    if contract == "exact":
+        return False, f"{logged}: bit-identity cannot be proven from a rounded log"
+    pairs = [("control", vs_control, 0)]
+    cr_lo = cr_hi = control_vs_reference
+    if reference is not None and vs_reference is not None:
+        pairs.append(("reference", vs_reference, 1))
+        cr_lo, cr_hi = resolved(control_vs_reference, val["control"], res["control"], val["reference"],
+                                res["reference"])
+    b_lo, b_hi = bounds_at(cr_lo), bounds_at(cr_hi)
+    parts, fails, passes = [], 0, 0
+    for other, m, i in pairs:
+        lo, hi = resolved(m, val["candidate"], res["candidate"], val[other], res[other])
+        blo, bhi = min(b_lo[i], b_hi[i]), max(b_lo[i], b_hi[i])
+        parts.append(f"vs {other} in [{lo:.2e}, {hi:.2e}], bound in [{blo:.2e}, {bhi:.2e}]")
+        fails += lo > bhi
+        passes += hi <= blo
+    if not fails and passes < len(pairs):
+        return False, f"{logged}: not resolved ({'; '.join(parts)}: they overlap); log more digits"
+    return True, f"{logged}: {'; '.join(parts)}"

@@ -115,3 +115,79 @@ def test_out_dir_not_overwritten_without_the_flag(tmp_path):
         ml.import_metrics(log, tmp_path / "run")
     ml.import_metrics(log, tmp_path / "run", overwrite=True, first=1)
     assert records.load_run(tmp_path / "run").step_numbers == [1]
+
+
+# ------------------------------------------------------------------------------------ compare on imported logs
+def _coarse(path, losses, gns):
+    """A log that rounds: 5 significant digits of the loss, 4 of the gradient norm."""
+    path.write_text("".join(f'{{"step": {i}, "learning/loss": {lo:.4f}, "learning/grad_norm": {g:.4f}}}\n'
+                            for i, (lo, g) in enumerate(zip(losses, gns, strict=True))))
+    return path
+
+
+def _import(tmp_path, name, losses, gns, coarse=True):
+    log = (_coarse(tmp_path / f"{name}.jsonl", losses, gns) if coarse
+           else _maxtext_log(tmp_path / f"{name}.jsonl", losses, gns))
+    ml.import_metrics(log, tmp_path / name)
+    return str(tmp_path / name)
+
+
+def _compare_json(capsys, *args):
+    from nxgates.gates import cli
+
+    code = cli.main(["compare", *args, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def _rows(report, gate):
+    return [r for r in report["results"] if r["gate"] == gate]
+
+
+def test_full_precision_logs_judge_n1_n3(tmp_path, capsys):
+    ctrl = _import(tmp_path, "ctrl", [2.4871, 2.4093], [1.0123, 0.9012], coarse=False)
+    ref = _import(tmp_path, "ref", [2.4871, 2.4093], [1.0131, 0.9019], coarse=False)
+    good = _import(tmp_path, "good", [2.4871, 2.4093], [1.0127, 0.9015], coarse=False)
+    bad = _import(tmp_path, "bad", [2.4871, 2.4093], [1.0223, 0.9112], coarse=False)
+    code, rep = _compare_json(capsys, ctrl, good, "--reference", ref)
+    assert code == 0 and rep["judged"] == ["N1", "N3"]
+    assert {r["gate"] for r in rep["results"] if r["verdict"] == "n/a"} == {"N2", "N4", "N5", "N6"}
+    code, rep = _compare_json(capsys, ctrl, bad, "--reference", ref)
+    assert code == 1 and {r["verdict"] for r in _rows(rep, "N3")} == {"fail"}
+
+
+def test_coarse_logs_say_what_they_resolve(tmp_path, capsys):
+    ctrl = _import(tmp_path, "ctrl", [2.5, 2.4], [0.1248, 0.1238])
+    ref = _import(tmp_path, "ref", [2.51, 2.42], [0.1498, 0.1488])  # m(ctrl, ref): N1 ~ 4e-3, N3 ~ 0.167
+    same = _import(tmp_path, "same", [2.5, 2.4], [0.1248, 0.1238])
+    close = _import(tmp_path, "close", [2.5, 2.4], [0.1456, 0.1446])  # vs control 0.167 +- 8e-4: the bound itself
+    far = _import(tmp_path, "far", [2.5, 2.4], [0.2000, 0.1990])
+    # identical logged text: N3 passes, and the row says only what 4 digits resolve
+    code, rep = _compare_json(capsys, ctrl, same, "--reference", ref)
+    n3 = _rows(rep, "N3")
+    assert code == 0 and {r["verdict"] for r in n3} == {"pass"}
+    assert all("grad_norm logged to 4 significant digits: vs control in [0.00e+00, 8." in r["reason"] for r in n3)
+    # a clear failure stays a failure, with the interval named
+    code, rep = _compare_json(capsys, ctrl, far, "--reference", ref)
+    assert code == 1 and all(r["verdict"] == "fail" and "logged to 4" in r["reason"] for r in _rows(rep, "N3"))
+    # a difference the log cannot place on either side of the bound: n/a (N3 is required: exit 2), never a pass
+    code, rep = _compare_json(capsys, ctrl, close, "--reference", ref)
+    assert code == 2
+    assert {r["verdict"] for r in _rows(rep, "N3")} == {"n/a"}
+    assert all("not resolved" in r["reason"] and "log more digits" in r["reason"] for r in _rows(rep, "N3"))
+    # bit-identity cannot be proven from a rounded log
+    code, rep = _compare_json(capsys, ctrl, same, "--contract", "exact")
+    assert code == 2
+    assert all("bit-identity cannot be proven" in r["reason"] for r in _rows(rep, "N1"))
+
+
+def test_import_metrics_cli_exit_codes(tmp_path, capsys):
+    from nxgates.gates import cli
+
+    log = _maxtext_log(tmp_path / "m.jsonl", [1.0, 0.9], [0.5, 0.4])
+    assert cli.main(["import-metrics", str(log), str(tmp_path / "run")]) == 0
+    assert "exact (float32)" in capsys.readouterr().out
+    assert cli.main(["import-metrics", str(log), str(tmp_path / "run2"), "--loss-key", "loss"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "'loss'" in err and "Traceback" not in err
+    assert cli.main(["import-metrics", str(log), str(tmp_path / "run3"), "--step-offset", "x"]) == 2
+    assert "--step-offset='x' must be an integer" in capsys.readouterr().err
