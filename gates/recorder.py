@@ -50,10 +50,10 @@ def summaries(grads=None, params=None, *, prev_params=None, width: int = DEFAULT
     """Everything a step records about its tensors, as one flat dict of small arrays (npz keys); jit-able.
 
     grads -> ``grad_sketch/<path>`` (f32 [w], or the exact values when numel < w), ``grad_fp/<path>`` (uint32 [2]),
-    ``grad_sq/<path>`` (f32: the tensor's squared L2 norm); params (after the update) -> ``param_sketch/<path>``,
-    ``param_fp/<path>``; with ``prev_params`` (the parameters before the update) -> ``update_sketch/<path>``: the
-    sketch of ``params - prev_params`` (the step's update, computed exactly in float32 before it is sketched; N6 reads
-    the sum of these, which is far more precise than the difference of two parameter sketches).
+    ``grad_sq/<path>`` (f32: the tensor's squared L2 norm); params (after the update) -> ``param_fp/<path>`` and
+    ``param_sketch/<path>``; with ``prev_params`` (the parameters before the update) ``update_sketch/<path>`` instead
+    of ``param_sketch``: the sketch of ``params - prev_params`` (the step's update, computed exactly in float32 before
+    it is sketched; N6 reads the sum of these, far more precise than the difference of two parameter sketches).
     """
     out = {}
     if grads is not None:
@@ -65,8 +65,9 @@ def summaries(grads=None, params=None, *, prev_params=None, width: int = DEFAULT
             g32 = jnp.asarray(g).astype(jnp.float32)
             out[f"grad_sq/{p}"] = jnp.sum(g32 * g32)
     if params is not None:
-        for p, s in sketch_lib.sketch(params, width=width, seed=seed).items():
-            out[f"param_sketch/{p}"] = s
+        if prev_params is None:  # with prev_params the update sketch supersedes it (N6 reads the updates)
+            for p, s in sketch_lib.sketch(params, width=width, seed=seed).items():
+                out[f"param_sketch/{p}"] = s
         for p, f in sketch_lib.fingerprint(params).items():
             out[f"param_fp/{p}"] = f
     if prev_params is not None:
@@ -80,7 +81,7 @@ def summaries(grads=None, params=None, *, prev_params=None, width: int = DEFAULT
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted_summaries(width: int, seed: int):
+def jitted_summaries(width: int, seed: int):
     return jax.jit(functools.partial(summaries, width=width, seed=seed))
 
 
@@ -185,7 +186,7 @@ class Recorder:
                 records_lib.field_group(k)  # refuses a key that is not a record field
                 arrays[k] = np.asarray(jax.device_get(v))
         if grads is not None or params is not None:
-            fn = _jitted_summaries(self.spec.width, self.spec.seed)
+            fn = jitted_summaries(self.spec.width, self.spec.seed)
             arrays.update({k: np.asarray(v) for k, v in jax.device_get(fn(grads, params, prev_params=prev_params))
                            .items()})
             self._note_tensors(grads, params)

@@ -33,7 +33,7 @@ from nxgates.gates import record as record_lib
 PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent  # nxgates.<layer> folders: reference/, kernels/, ...
 # Source folders whose code determines a run record (a change invalidates the cache).
 SOURCE_DIRS = ("reference", "kernels", "model")
-SOURCE_FILES = ("gates/protocol.py",)
+SOURCE_FILES = ("gates/protocol.py", "gates/sketch.py", "gates/recorder.py")
 
 
 def control_routing(control: record_lib.RunRecord) -> list | None:
@@ -289,6 +289,7 @@ class Runner:
             "flags": self.api.as_dict(flags),
             "precision": precision,
             "settings": self.settings.as_dict(),
+            "sketch": protocol.DEFAULT_SKETCH.to_json(),
             "seeds": self.seeds,
             "env": self.env,
             "source_sha256": self._src_hash,

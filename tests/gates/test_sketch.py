@@ -147,3 +147,20 @@ def test_bad_width_seed_and_spec_are_refused():
     assert S.SketchSpec.from_json(spec.to_json()) == spec
     with pytest.raises(ValueError, match="two leaves"):
         S.named_leaves({"a/b": 1.0, "a": {"b": 2.0}})
+
+
+def test_small_sharded_tensors_are_kept_exactly():
+    """Below the width a tensor is stored whole, so XLA may gather it (at most w floats, like the sketch's
+    all-reduce); the values are exact whatever the sharding, and inside shard_map ``exact_shard`` + psum places each
+    block at its offsets."""
+    mesh = _mesh()
+    x = np.arange(2 * 4 * 8, dtype=np.float32).reshape(2, 4, 8)
+    spec = P("fsdp", "context", "expert")
+    xs = jax.device_put(x, NamedSharding(mesh, spec))
+    f = jax.jit(lambda t: S.sketch_array(t, path="s", width=W, seed=0))
+    np.testing.assert_array_equal(np.asarray(f(xs)), x.reshape(-1))
+    sm = jax.jit(jax.shard_map(
+        lambda xl: jax.lax.psum(S.exact_shard(xl, global_shape=x.shape, offsets=S.shard_offsets(spec, xl.shape,
+                                                                                                mesh.shape)),
+                                ("fsdp", "context", "expert")), mesh=mesh, in_specs=spec, out_specs=P()))
+    np.testing.assert_array_equal(np.asarray(sm(xs)), x.reshape(-1))
