@@ -15,6 +15,10 @@ Commands:
     compare         python -m nxgates compare CONTROL CANDIDATE [--reference REF] [--contract rounding|exact]
                     [--tolerances FILE] [--json] [--out DIR]: the six gates on recorded runs of any trainer
                     (gates.compare, docs/records.md); exit 0 pass, 1 a gate fails, 2 bad or insufficient records
+    calibrate-records  python -m nxgates calibrate-records CONTROL REFERENCE [BENIGN ...] [--out FILE]: rel and
+                    slack from a trainer's own records by calibrate's rule, written as a --tolerances file
+    import-metrics  python -m nxgates import-metrics METRICS.jsonl OUT_RUN_DIR [--loss-key K] ...: a JSON-lines
+                    metrics log (MaxText keys by default) as a record, its logged precision kept (N1, N3)
 Global: --accelerator (use the default jax backend instead of 8 host CPU devices; read in gates/__main__.py).
 """
 
@@ -28,7 +32,9 @@ import time
 from nxgates.gates.errors import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
-COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "compare")
+COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "compare", "calibrate-records",
+            "import-metrics")
+RECORD_COMMANDS = {"calibrate-records": "calibrate_records", "import-metrics": "metrics_log"}  # records only
 
 
 def _progress(msg: str) -> None:
@@ -102,7 +108,18 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--json", action="store_true", help="print the JSON report on stdout instead of the table")
     cmp.add_argument("--out", default=None, help="also write compare.json and compare.md here")
     cmp.add_argument("--accelerator", action="store_true", help="use the default jax backend (set before jax loads)")
+    for name, help_ in (("calibrate-records", "rel and slack from a trainer's own control, reference, benign records"),
+                        ("import-metrics", "a JSON-lines metrics log as a record (loss, gradient norm)")):
+        sp = sub.add_parser(name, help=help_)
+        _record_module(name).add_arguments(sp)
+        sp.add_argument("--accelerator", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _record_module(command: str):
+    import importlib
+
+    return importlib.import_module(f"nxgates.gates.{RECORD_COMMANDS[command]}")
 
 
 def main(argv: list[str] | None = None, *, api=None) -> int:
@@ -126,6 +143,12 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
         from nxgates.gates import compare
 
         return compare.main(args)
+    if args.command in RECORD_COMMANDS:
+        try:
+            return _record_module(args.command).main(args)
+        except ValueError as e:  # RecordError, CompareInputError and bad arguments: named, no traceback
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     from nxgates.gates.model_api import default_model_api
 
     custom_api = api is not None  # worker processes (run --jobs) can only rebuild the real model package's API

@@ -19,7 +19,9 @@ Verdicts per gate and step, with ``tol``/``slack`` from the tolerance table:
 - without it: ``m(cand, ctrl) <= tol`` when a table gives ``tol``, else the gate is n/a ("no bound");
 - ``exact`` contract: against the control the arrays the gate reads must be bit-identical, decided by the per-tensor
   fingerprints (or the arrays themselves); a sketch cannot prove it.
-A gate whose data a record lacks is ``n/a`` with the reason, never a pass. Exit codes: 0 every judged gate passes and N1
+A gate whose data a record lacks is ``n/a`` with the reason, never a pass; so is N1 / N3 on values imported from a
+metrics log (``nxgates import-metrics``) whose logged digits cannot decide the bound (``metrics_log.precision_verdict``;
+the digits are named in every such row). Exit codes: 0 every judged gate passes and N1
 and N3 were judged at every step, 1 a judged gate fails, 2 bad input (``CompareInputError``/``RecordError``, named).
 """
 
@@ -34,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from nxgates.gates import atomic
+from nxgates.gates import atomic, metrics_log
 from nxgates.gates import gates as gates_lib
 from nxgates.gates import records as records_lib
 from nxgates.gates import tolerances as tolerance_table
@@ -461,6 +463,14 @@ def _judge(gate, n, control, candidate, reference, contract, tolerances, slack, 
         return na("no bound: neither --reference (live bound) nor --tolerances (rel) given", vs_control=vc.value,
                   source=src, worst_tensor=vc.worst_tensor)
     ok_r = True if reference is None else vr <= bound_r
+    floor = tol if tol is not None else 0.0
+    decidable, note = metrics_log.precision_verdict(
+        gate, n, candidate, control, reference, source=src, contract=contract, vs_control=vc.value, vs_reference=vr,
+        control_vs_reference=cr, bounds_at=lambda c: (bound_c, None) if reference is None else
+        (max(floor, c), gates_lib.reference_bound(floor, slack[gate], c)))
+    if not decidable:  # values imported from a metrics log, too coarse to decide this gate (gates/metrics_log.py)
+        return na(note, vs_control=vc.value, vs_reference=vr, control_vs_reference=cr, bound_control=bound_c,
+                  bound_reference=bound_r, source=src)
     if problems:
         verdict, reason = FAIL, "precondition failed"
     elif ok_c and ok_r:
@@ -474,6 +484,7 @@ def _judge(gate, n, control, candidate, reference, contract, tolerances, slack, 
         if not ok_r:
             why.append(f"vs reference {vr:.3e} > {bound_r:.3e}")
         verdict, reason = FAIL, "; ".join(why)
+    reason = "; ".join(x for x in (reason, note) if x)
     return GateVerdict(gate, n, verdict, reason, vc.value, vr, cr, bound_c, bound_r, ident, vc.worst_tensor, src)
 
 
