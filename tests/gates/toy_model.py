@@ -127,8 +127,9 @@ def override(name: str, fn):
 
 def build_log_probs(cfg: ToyConfig, flags: ToyFlags, *, precision: str, mesh=None):
     ref = precision == "reference"
-    dt = jnp.float32 if ref else jnp.bfloat16
-    prec = HI if ref else None
+    f32 = ref or precision == "lens"  # the float32 lens: the production path (tiles, fused MLP) in float32
+    dt = jnp.float32 if f32 else jnp.bfloat16
+    prec = HI if f32 else None
     act = _OVERRIDES.get("activation", jax.nn.silu)
     chosen = {"activation": f"override:{act.__name__}" if "activation" in _OVERRIDES else "silu",
               "mlp": "fused" if flags.moe_wi_gmm_fused_swiglu else "unfused"}
