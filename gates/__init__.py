@@ -10,7 +10,7 @@ Public API (importing ``gates`` does not import jax, so ``python -m nxgates`` ca
 
 ``gates.check(config, flags=None)`` with ``flags=None`` checks every registered flag alone and the tuned combination.
 Bad input (unknown config or flag, malformed value, refused combination) raises a ``ValueError`` subclass
-(``model.config.ConfigError`` or ``gates.runner.BadInput``) naming the key and its value, before anything runs.
+(``model.flags.ConfigError`` or ``gates.errors.BadInput``) naming the key and its value, before anything runs.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ __all__ = ["check", "BadInput", "Report"]
 
 
 def check(config: str = "tiny", flags=None, **kwargs):
-    """See ``gates.runner.check``."""
-    from nxgates.gates.runner import check as _check
+    """See ``gates.suite.check``."""
+    from nxgates.gates.suite import check as _check
 
     return _check(config, flags, **kwargs)
 
 
 def __getattr__(name):
     if name == "BadInput":
-        from nxgates.gates.runner import BadInput
+        from nxgates.gates.errors import BadInput
 
         return BadInput
     if name == "Report":

@@ -10,7 +10,7 @@ m(control again, control), and proposes:
   that "changes the numbers by bf16 rounding" must move the result less than the whole bf16 path's own error does
   (the control's distance to the float32 truth at that step; measured: every rounding flag of tiny stays within
   0.82 x of it on N2, N4, N5, N6, python -m nxgates run, 2026-12-02). Per step, because the distances differ by step
-  (step 1 compares the same parameters; steps 2 and 3 also carry the first updates). N3 stays at DESIGN.md's 2e-3
+  (step 1 compares the same parameters; steps 2 and 3 also carry the first updates). N3 stays at docs/design.md's 2e-3
   and N1 at 0 (the loss must not move; its measured distances are printed).
 - ``slack[gate]``, per gate, from the benign reassociation on THAT gate. The reference bound is
   ``max(rel, (1 + slack) * m(control, reference))``; with ``rel`` at m(control, reference) itself the slack term
@@ -36,6 +36,7 @@ from tabulate import tabulate
 from nxgates.gates import atomic, contracts
 from nxgates.gates import gates as gates_lib
 from nxgates.gates import runner as runner_lib
+from nxgates.gates.errors import BadInput
 
 SLACK_FLOOR = 0.05
 SLACK_FACTOR = 2.0
@@ -53,13 +54,13 @@ def slack_from_ratio(ratio: float | None) -> float:
     return round(max(SLACK_FLOOR, raw), 10)
 
 
-FIXED_REL = {"N3": 2e-3}  # DESIGN.md fixes N3's tolerance
+FIXED_REL = {"N3": 2e-3}  # docs/design.md fixes N3's tolerance
 REL_DIGITS = 3
 
 
 def proposed_rel(gate: str, control_vs_reference: list[float]) -> float | list[float]:
-    """The rel rule: DESIGN.md's fixed value (N3), 0 when the control matches the reference at every step (N1), else
-    per step m(control, reference) rounded up to ``REL_DIGITS`` significant digits."""
+    """The rel rule: docs/design.md's fixed value (N3), 0 when the control matches the reference at every step (N1),
+    else per step m(control, reference) rounded up to ``REL_DIGITS`` significant digits."""
     if gate in FIXED_REL:
         return FIXED_REL[gate]
     if max(control_vs_reference) == 0.0:
@@ -74,15 +75,33 @@ def _rel_at(rel, step: int) -> float:
 def benign_ratios(rows: list[dict], rel: dict | None = None) -> dict[str, dict]:
     """Per gate: the largest m(benign, reference) / m(control, reference) over the steps where m(control, reference)
     > 0 and (with ``rel``) m(benign, reference) > rel[gate] at that step:
-    {"ratio": float | None, "step": int | None}."""
+    {"ratio": float | None, "step": int | None}. A row without a benign draw (benign_vs_reference None) is no
+    candidate."""
     out = {}
     for g in gates_lib.GATES:
         cands = [(row["benign_vs_reference"] / row["control_vs_reference"], row["step"]) for row in rows
-                 if row["gate"] == g and row["control_vs_reference"] > 0
+                 if row["gate"] == g and row["control_vs_reference"] > 0 and row["benign_vs_reference"] is not None
                  and (rel is None or row["benign_vs_reference"] > _rel_at(rel[g], row["step"]))]
         ratio, step = max(cands) if cands else (None, None)
         out[g] = {"ratio": ratio, "step": step}
     return out
+
+
+def derive_tolerances(rows: list[dict]) -> dict[str, dict]:
+    """THE rule from measured rows to the [gates.*] table (used by ``calibrate`` and ``calibrate_records``).
+
+    ``rows``: per gate and step (1-based, steps 1..n in order) {"gate", "step", "control_vs_reference",
+    "benign_vs_reference" (the worst benign draw's; None without one)}; a gate without rows is left out. Per gate:
+    {"rel": ``proposed_rel``, "slack": ``slack_from_ratio`` of the largest benign ratio over the steps where the draw
+    exceeds rel, "benign_ratio", "benign_ratio_step", "benign_ratio_every_step", "control_vs_reference_max"}."""
+    gates = [g for g in gates_lib.GATES if any(row["gate"] == g for row in rows)]
+    rel = {g: proposed_rel(g, [row["control_vs_reference"] for row in rows if row["gate"] == g]) for g in gates}
+    every_step, uncovered = benign_ratios(rows), benign_ratios(rows, rel)
+    return {g: {"rel": rel[g], "slack": slack_from_ratio(uncovered[g]["ratio"]),
+                "benign_ratio": uncovered[g]["ratio"], "benign_ratio_step": uncovered[g]["step"],
+                "benign_ratio_every_step": every_step[g]["ratio"],
+                "control_vs_reference_max": max(row["control_vs_reference"] for row in rows if row["gate"] == g)}
+            for g in gates}
 
 
 def _round_up(x: float, digits: int = 2) -> float:
@@ -111,7 +130,7 @@ def default_benign(r: runner_lib.Runner) -> list[dict]:
                 continue
             found.append({key: new})
     if not found:
-        raise runner_lib.BadInput(f"config {r.config_name!r}: no k tile halves or doubles to a valid tile; "
+        raise BadInput(f"config {r.config_name!r}: no k tile halves or doubles to a valid tile; "
                                   "pass --benign k=v")
     return found
 
@@ -151,15 +170,7 @@ def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *,
                 "control_again_vs_control": gates_lib.metric(g, again, control, i).value if again else None,
                 "control_reproducible_bits": gates_lib.bit_identical(g, again, control, i) if again else None,
             })
-    rel = {g: proposed_rel(g, [row["control_vs_reference"] for row in rows if row["gate"] == g])
-           for g in gates_lib.GATES}
-    every_step, uncovered = benign_ratios(rows), benign_ratios(rows, rel)
-    proposed = {}
-    for g in gates_lib.GATES:
-        proposed[g] = {"rel": rel[g], "slack": slack_from_ratio(uncovered[g]["ratio"]),
-                       "benign_ratio": uncovered[g]["ratio"], "benign_ratio_step": uncovered[g]["step"],
-                       "benign_ratio_every_step": every_step[g]["ratio"],
-                       "control_vs_reference_max": max(row["control_vs_reference"] for row in rows if row["gate"] == g)}
+    proposed = derive_tolerances(rows)
     return {"config": config, "benign": benigns, "env": r.env, "rows": rows, "proposed": proposed,
             "slack_rule": f"slack = max({SLACK_FLOOR}, {SLACK_FACTOR} * (max over the steps where m(benign, ref) > rel "
                           f"of m(benign, ref) / m(control, ref) - 1)) rounded up to {SLACK_STEP}",
@@ -169,12 +180,8 @@ def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *,
             "wall_s": round(__import__("time").perf_counter() - r.t0, 1)}
 
 
-def main(args, api) -> int:
-    benign = None
-    if args.benign:
-        from nxgates.gates.cli import parse_flag_items
-
-        benign = parse_flag_items(args.benign)
+def main(args, api, benign: dict | None = None) -> int:
+    """``nxgates calibrate``: ``benign`` is the parsed ``--benign k=v ...`` (None: ``default_benign``)."""
     res = calibrate(args.config, api, benign, cache_dir=args.cache_dir, repeat=not args.no_repeat)
     atomic.write_json_atomic(f"{args.out}/calibration.json", res)
     if args.json:

@@ -5,6 +5,7 @@ Commands:
                     no --flags: every registered flag alone + the tuned combination; exit 0 pass, 1 a gate fails,
                     2 bad input (unknown config or flag, malformed value, refused combination) with the message.
     kernels         python -m nxgates kernels [--case tiny|cell] [--op moe|gdn|fp8] ...  (gates.kernel_report.main)
+                    python -m nxgates kernels --impl PACKAGE.MODULE:FUNCTION --op OP ...  (gates.testing.main)
     calibrate       python -m nxgates calibrate [--config tiny]: control-vs-reference distances and a benign
                     reassociation, the measurements behind fixtures/tolerances.toml [gates.*]
     list-flags      python -m nxgates list-flags [--config tiny]: every tuning flag, its contract, control and tuned
@@ -14,6 +15,10 @@ Commands:
     compare         python -m nxgates compare CONTROL CANDIDATE [--reference REF] [--contract rounding|exact]
                     [--tolerances FILE] [--json] [--out DIR]: the six gates on recorded runs of any trainer
                     (gates.compare, docs/records.md); exit 0 pass, 1 a gate fails, 2 bad or insufficient records
+    calibrate-records  python -m nxgates calibrate-records CONTROL REFERENCE [BENIGN ...] [--out FILE]: rel and
+                    slack from a trainer's own records by calibrate's rule, written as a --tolerances file
+    import-metrics  python -m nxgates import-metrics METRICS.jsonl OUT_RUN_DIR [--loss-key K] ...: a JSON-lines
+                    metrics log (MaxText keys by default) as a record, its logged precision kept (N1, N3)
 Global: --accelerator (use the default jax backend instead of 8 host CPU devices; read in gates/__main__.py).
 """
 
@@ -24,8 +29,12 @@ import json
 import sys
 import time
 
+from nxgates.gates.errors import BadInput
+
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
-COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "compare")
+COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "compare", "calibrate-records",
+            "import-metrics")
+RECORD_COMMANDS = {"calibrate-records": "calibrate_records", "import-metrics": "metrics_log"}  # records only
 
 
 def _progress(msg: str) -> None:
@@ -33,9 +42,7 @@ def _progress(msg: str) -> None:
 
 
 def parse_flag_items(items: list[str] | None) -> dict[str, str] | None:
-    """["k=v", ...] -> {k: v} (strings: model.config.parse_flags types them); a malformed item raises BadInput."""
-    from nxgates.gates.runner import BadInput
-
+    """["k=v", ...] -> {k: v} (strings: model.flags.parse_flags types them); a malformed item raises BadInput."""
     if items is None:
         return None
     out: dict[str, str] = {}
@@ -101,7 +108,18 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--json", action="store_true", help="print the JSON report on stdout instead of the table")
     cmp.add_argument("--out", default=None, help="also write compare.json and compare.md here")
     cmp.add_argument("--accelerator", action="store_true", help="use the default jax backend (set before jax loads)")
+    for name, help_ in (("calibrate-records", "rel and slack from a trainer's own control, reference, benign records"),
+                        ("import-metrics", "a JSON-lines metrics log as a record (loss, gradient norm)")):
+        sp = sub.add_parser(name, help=help_)
+        _record_module(name).add_arguments(sp)
+        sp.add_argument("--accelerator", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _record_module(command: str):
+    import importlib
+
+    return importlib.import_module(f"nxgates.gates.{RECORD_COMMANDS[command]}")
 
 
 def main(argv: list[str] | None = None, *, api=None) -> int:
@@ -110,6 +128,10 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
         argv = ["run", *argv]
     if argv[0] == "kernels":
         rest = [a for a in argv[1:] if a != "--accelerator"]
+        if any(a == "--impl" or a.startswith("--impl=") for a in rest):  # someone's kernel: gates.testing
+            from nxgates.gates import testing
+
+            return int(testing.main(rest))
         try:
             from nxgates.gates import kernel_report
         except ImportError as e:
@@ -121,7 +143,13 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
         from nxgates.gates import compare
 
         return compare.main(args)
-    from nxgates.gates.runner import BadInput, default_model_api
+    if args.command in RECORD_COMMANDS:
+        try:
+            return _record_module(args.command).main(args)
+        except ValueError as e:  # RecordError, CompareInputError and bad arguments: named, no traceback
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    from nxgates.gates.model_api import default_model_api
 
     custom_api = api is not None  # worker processes (run --jobs) can only rebuild the real model package's API
     try:
@@ -136,7 +164,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
         if args.command == "calibrate":
             from nxgates.gates import calibrate
 
-            return calibrate.main(args, api)
+            return calibrate.main(args, api, parse_flag_items(args.benign) if args.benign else None)
         if args.command == "list-flags":
             return _list_flags(args, api)
         if args.command == "golden":
@@ -152,7 +180,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
 
 
 def _run(args, api, custom_api: bool) -> int:
-    from nxgates.gates import runner
+    from nxgates.gates import suite
 
     flags = parse_flag_items(args.flags)
     try:
@@ -160,9 +188,9 @@ def _run(args, api, custom_api: bool) -> int:
     except ValueError:
         jobs = 0
     if jobs < 1:
-        raise runner.BadInput(f"--jobs={args.jobs!r} must be an integer >= 1")
+        raise BadInput(f"--jobs={args.jobs!r} must be an integer >= 1")
     t0 = time.perf_counter()
-    report = runner.check(args.config, flags, api=api if custom_api else None, tiles=args.tiles,
+    report = suite.check(args.config, flags, api=api if custom_api else None, tiles=args.tiles,
                           cache_dir=args.cache_dir, use_cache=not args.no_cache, tolerances_path=args.tolerances,
                           golden_dir=args.golden_dir, progress=_progress,
                           on_check=lambda partial: partial.write(args.out), jobs=jobs)
@@ -187,15 +215,16 @@ def _list_flags(args, api) -> int:
     for key in base:
         if not contracts.is_tuning_key(key):
             continue
-        doc = contracts.REGISTRY[key].doc if key in contracts.REGISTRY else "GMM tile"
-        rows.append({"flag": key, "contract": contracts.contract_of(key), "control": base[key],
-                     "tuned": tuned.get(key, "-"), "what": doc})
+        decl = contracts.declaration(key)
+        rows.append({"flag": key, "contract": decl.contract, "control": base[key], "tuned": tuned.get(key, "-"),
+                     "op": decl.op, "rules": ",".join(decl.rules), "what": decl.doc})
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
     else:
         print(f"tuning flags of config {args.config!r} (the check of a flag also turns on the prerequisite "
               "tuning flags the model's rules name)")
-        print(tabulate(rows, headers="keys", tablefmt="simple", disable_numparse=True))
+        shown = [{k: v for k, v in r.items() if k != "rules"} for r in rows]  # the rules: --json, or model.flags
+        print(tabulate(shown, headers="keys", tablefmt="simple", disable_numparse=True))
     return EXIT_PASS
 
 

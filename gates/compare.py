@@ -19,7 +19,9 @@ Verdicts per gate and step, with ``tol``/``slack`` from the tolerance table:
 - without it: ``m(cand, ctrl) <= tol`` when a table gives ``tol``, else the gate is n/a ("no bound");
 - ``exact`` contract: against the control the arrays the gate reads must be bit-identical, decided by the per-tensor
   fingerprints (or the arrays themselves); a sketch cannot prove it.
-A gate whose data a record lacks is ``n/a`` with the reason, never a pass. Exit codes: 0 every judged gate passes and N1
+A gate whose data a record lacks is ``n/a`` with the reason, never a pass; so is N1 / N3 on values imported from a
+metrics log (``nxgates import-metrics``) whose logged digits cannot decide the bound (``metrics_log.precision_verdict``;
+the digits are named in every such row). Exit codes: 0 every judged gate passes and N1
 and N3 were judged at every step, 1 a judged gate fails, 2 bad input (``CompareInputError``/``RecordError``, named).
 """
 
@@ -34,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from nxgates.gates import atomic
+from nxgates.gates import atomic, metrics_log
 from nxgates.gates import gates as gates_lib
 from nxgates.gates import records as records_lib
+from nxgates.gates import tolerances as tolerance_table
 from nxgates.gates.diff import as_f64
 from nxgates.gates.gates import GATE_NAMES, GATES, Metric
 from nxgates.gates.records import RecordError, Run
@@ -392,7 +395,8 @@ def _tolerance(tolerances, gate: str, step: int) -> float | None:
 
 
 def compare(control: Run, candidate: Run, reference: Run | None = None, *, contract: str = "rounding",
-            tolerances: gates_lib.Tolerances | None = None, slack: Mapping[str, float] | None = None) -> CompareReport:
+            tolerances: tolerance_table.Tolerances | None = None,
+            slack: Mapping[str, float] | None = None) -> CompareReport:
     """The six gates at every step of the records. ``tolerances``: the table whose rel values bound the candidate
     (None: only live bounds from ``reference``, or n/a); ``slack`` per gate (default: ``tolerances``'s, else the
     repository table's). Raises ``CompareInputError`` for records that do not line up."""
@@ -403,7 +407,7 @@ def compare(control: Run, candidate: Run, reference: Run | None = None, *, contr
         runs["reference"] = reference
     check_comparable(runs)
     if slack is None:
-        slack = dict((tolerances or gates_lib.load_tolerances()).slack)
+        slack = dict((tolerances or tolerance_table.load_tolerances()).slack)
     problems = preconditions(runs)
     results = []
     for n in control.step_numbers:
@@ -459,6 +463,14 @@ def _judge(gate, n, control, candidate, reference, contract, tolerances, slack, 
         return na("no bound: neither --reference (live bound) nor --tolerances (rel) given", vs_control=vc.value,
                   source=src, worst_tensor=vc.worst_tensor)
     ok_r = True if reference is None else vr <= bound_r
+    floor = tol if tol is not None else 0.0
+    decidable, note = metrics_log.precision_verdict(
+        gate, n, candidate, control, reference, source=src, contract=contract, vs_control=vc.value, vs_reference=vr,
+        control_vs_reference=cr, bounds_at=lambda c: (bound_c, None) if reference is None else
+        (max(floor, c), gates_lib.reference_bound(floor, slack[gate], c)))
+    if not decidable:  # values imported from a metrics log, too coarse to decide this gate (gates/metrics_log.py)
+        return na(note, vs_control=vc.value, vs_reference=vr, control_vs_reference=cr, bound_control=bound_c,
+                  bound_reference=bound_r, source=src)
     if problems:
         verdict, reason = FAIL, "precondition failed"
     elif ok_c and ok_r:
@@ -472,6 +484,7 @@ def _judge(gate, n, control, candidate, reference, contract, tolerances, slack, 
         if not ok_r:
             why.append(f"vs reference {vr:.3e} > {bound_r:.3e}")
         verdict, reason = FAIL, "; ".join(why)
+    reason = "; ".join(x for x in (reason, note) if x)
     return GateVerdict(gate, n, verdict, reason, vc.value, vr, cr, bound_c, bound_r, ident, vc.worst_tensor, src)
 
 
@@ -486,7 +499,7 @@ def default_tolerances_for(control: Run):
     name = (control.meta.get("extra") or {}).get("config_name")
     if not name or not (pathlib.Path(fixtures.CONFIGS) / f"{name}.toml").is_file():
         return None
-    return gates_lib.load_tolerances()
+    return tolerance_table.load_tolerances()
 
 
 def main(args) -> int:
@@ -499,7 +512,7 @@ def main(args) -> int:
         reference = records_lib.load_run(args.reference) if args.reference else None
         if args.tolerances:
             try:
-                tolerances = gates_lib.load_tolerances(args.tolerances)
+                tolerances = tolerance_table.load_tolerances(args.tolerances)
             except ValueError as e:
                 raise CompareInputError(f"--tolerances: {e}") from e
         else:

@@ -70,7 +70,7 @@ def summarize(actual, expected, *, rtol: float = 1e-2, atol: float = 1e-5) -> Di
     noise = float(np.sum((a64 - b64) ** 2)) if finite else math.inf
     if noise == 0.0:
         sqnr = math.inf
-    elif sig == 0.0:
+    elif sig == 0.0 or not math.isfinite(noise):  # nothing but noise, or a non-finite value (noise = inf)
         sqnr = -math.inf
     else:
         sqnr = 10.0 * math.log10(sig / noise)

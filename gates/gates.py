@@ -1,4 +1,4 @@
-"""The six gates N1..N6 (DESIGN.md, "The six gates") and the tolerance table they read.
+"""The six gates N1..N6 (docs/design.md, "The six gates").
 
 Every gate compares two run records at each step with a float64 metric (``gates.diff.rel_l2`` and friends):
 
@@ -17,24 +17,21 @@ A gate passes at a step when
   ``tol`` and ``slack`` both the gate's own (``[gates.N4] rel``, ``[gates.N4] slack``).
 Preconditions (every value finite in all three records, no dropped token) fail every gate when violated.
 Tolerances come from ``fixtures/tolerances.toml`` ``[gates.*]`` (each gate: rel, slack, reason, source; calibrated by
-``python -m nxgates calibrate``); nothing relaxes them at run time.
+``python -m nxgates calibrate``), read by ``gates.tolerances.load_tolerances``; nothing relaxes them at run time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
-import tomllib
 from collections.abc import Mapping
 
 import numpy as np
 
-from nxgates import fixtures
 from nxgates.gates.diff import as_f64
 from nxgates.gates.record import RunRecord
+from nxgates.gates.tolerances import GATES, Tolerances
 
-GATES = ("N1", "N2", "N3", "N4", "N5", "N6")
 GATE_NAMES = {
     "N1": "loss",
     "N2": "log-probs",
@@ -44,78 +41,6 @@ GATE_NAMES = {
     "N6": "update",
 }
 CONTRACTS = ("exact", "rounding")
-DEFAULT_TOLERANCES = fixtures.TOLERANCES
-
-
-# ----------------------------------------------------------------------------------------------------------- tolerances
-@dataclasses.dataclass(frozen=True)
-class Tolerances:
-    """Per gate: ``tol[gate]`` (the rounding bound against the control, the floor of the reference bound): one number
-    for every step, or a tuple with one number per step (``tol_at``); ``slack[gate]`` (how much farther from the
-    float32 reference than the control a candidate may be)."""
-
-    tol: Mapping[str, float | tuple[float, ...]]
-    slack: Mapping[str, float]
-    golden_rel: float
-    reasons: Mapping[str, str]
-    sources: Mapping[str, str]
-    path: str
-
-    def tol_at(self, gate: str, step: int) -> float:
-        """The tolerance of ``gate`` at ``step`` (1-based); a per-step table must cover the step."""
-        t = self.tol[gate]
-        if isinstance(t, (int, float)):
-            return float(t)
-        if not 1 <= step <= len(t):
-            raise ValueError(f"tolerances: [gates.{gate}] rel has {len(t)} per-step values, no value for step {step} "
-                             f"({self.path})")
-        return float(t[step - 1])
-
-
-def _number(key: str, field: str, value) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (value >= 0) or math.isinf(value):
-        raise ValueError(f"tolerances: [gates.{key}] {field}={value!r} must be a finite number >= 0")
-    return float(value)
-
-
-def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES) -> Tolerances:
-    """Read ``[gates.N1]`` .. ``[gates.N6]`` (each: rel, slack, reason, source) and ``[gates.golden]`` (rel, reason,
-    source). A missing section or key is refused with a ``ValueError`` naming it; so is the retired global
-    ``[gates.slack]`` (the slack is per gate: a global one would silently be ignored)."""
-    path = pathlib.Path(path)
-    try:
-        doc = tomllib.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise ValueError(f"tolerances: path={str(path)!r} does not exist") from e
-    section = doc.get("gates")
-    if not isinstance(section, dict):
-        raise ValueError(f"tolerances: {path} has no [gates] section")
-    if "slack" in section:
-        raise ValueError(f"tolerances: [gates.slack] in {path} is not read: the slack is per gate "
-                         "([gates.N1] slack = ..., ... [gates.N6] slack = ...); remove it")
-    tol, slack, reasons, sources = {}, {}, {}, {}
-    for key in (*GATES, "golden"):
-        entry = section.get(key)
-        if not isinstance(entry, dict):
-            raise ValueError(f"tolerances: [gates.{key}] missing in {path}")
-        fields = ("rel", "slack") if key in GATES else ("rel",)
-        for field in (*fields, "reason", "source"):
-            if field not in entry:
-                raise ValueError(f"tolerances: [gates.{key}] needs {field!r} (got keys {sorted(entry)}) in {path}")
-        rel = entry["rel"]
-        if isinstance(rel, list) and key in GATES:
-            if not rel:
-                raise ValueError(f"tolerances: [gates.{key}] rel=[] needs one number per step in {path}")
-            tol[key] = tuple(_number(key, f"rel[{i}]", v) for i, v in enumerate(rel))
-        else:
-            tol[key] = _number(key, "rel", rel)
-        if key in GATES:
-            slack[key] = _number(key, "slack", entry["slack"])
-        reasons[key], sources[key] = str(entry["reason"]), str(entry["source"])
-    return Tolerances(
-        tol={g: tol[g] for g in GATES}, slack=slack, golden_rel=tol["golden"], reasons=reasons,
-        sources=sources, path=str(path),
-    )
 
 
 def slack_text(tolerances: Tolerances) -> str:

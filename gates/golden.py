@@ -26,6 +26,7 @@ from nxgates import fixtures
 from nxgates.gates import atomic
 from nxgates.gates import gates as gates_lib
 from nxgates.gates.record import RunRecord
+from nxgates.gates.tolerances import Tolerances
 
 GOLDEN_DIR = fixtures.GOLDEN
 # What must match for a comparison to mean anything: a different compiler or device legitimately rounds differently.
@@ -107,7 +108,7 @@ def compare(golden: dict, rec: RunRecord, tol_rel: float, path: str = "") -> Gol
                             f"rel {tol_rel:g}){src_note}", path)
 
 
-def compare_with_golden(config: str, rec: RunRecord, tols: gates_lib.Tolerances,
+def compare_with_golden(config: str, rec: RunRecord, tols: Tolerances,
                         golden_dir: str | pathlib.Path | None = None) -> GoldenComparison:
     path = golden_path(config, golden_dir)
     if not path.exists():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
 import importlib
 import importlib.util
@@ -25,63 +24,35 @@ import os
 import pathlib
 import sys
 import time
-import tomllib
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
 from nxgates import fixtures
 from nxgates.gates import atomic
+from nxgates.gates import tolerances as tolerance_table
 from nxgates.gates.diff import summarize
 from nxgates.gates.kernel_cases import OPS
+from nxgates.gates.kernel_cases.base import KernelRow, interpret_mode
 
 DEFAULT_TOLERANCES = fixtures.TOLERANCES
 CASE_NAMES = ("tiny", "medium", "cell")
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelRow:
-    """One compared output: ``actual`` (the implementation ``impl``) against ``expected`` (the float32 reference)."""
-
-    kernel: str
-    case: str
-    output: str
-    impl: str
-    actual: np.ndarray
-    expected: np.ndarray
-    tol_key: str
-
-
-def interpret_mode():
-    """How the case modules run Pallas kernels: compiled on TPU, the Pallas interpreter elsewhere (CPU, GPU)."""
-    import jax
-
-    return jax.default_backend() != "tpu"
 
 
 class ArgumentError(ValueError):
     """Bad command-line input (exit 2)."""
 
 
-def load_tolerances(path: str | os.PathLike) -> dict[str, dict]:
-    """The ``[kernels."<key>"]`` entries of the tolerance table: ``{key: {"rel_l2", "reason", "source"}}``."""
-    path = pathlib.Path(path)
+def load_tolerances(path: str | os.PathLike = DEFAULT_TOLERANCES) -> dict[str, dict]:
+    """The ``[kernels."<key>"]`` entries of the tolerance table: ``{key: {"rel_l2", "reason", "source"}}``.
+
+    Read through the project's one tolerance loader (``gates.tolerances``); a missing or malformed file is an
+    ``ArgumentError`` naming ``--tolerances`` and the path."""
     try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except FileNotFoundError as e:
-        raise ArgumentError(f"--tolerances={str(path)!r}: file not found") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ArgumentError(f"--tolerances={str(path)!r}: not valid TOML ({e})") from e
-    entries = table.get("kernels", {})
-    for key, entry in entries.items():
-        missing = [f for f in ("rel_l2", "reason", "source") if f not in entry]
-        if missing or not isinstance(entry.get("rel_l2"), int | float):
-            raise ArgumentError(
-                f"--tolerances={str(path)!r}: [kernels.{key!r}] needs rel_l2 (a number), reason and source; "
-                f"got {sorted(entry)}"
-            )
-    return entries
+        entries = tolerance_table.load_kernel_tolerances(path)
+    except ValueError as e:
+        raise ArgumentError(f"--tolerances={str(path)!r}: {e}") from None
+    return {k: {"rel_l2": t.rel_l2, "reason": t.reason, "source": t.source} for k, t in entries.items()}
 
 
 @contextlib.contextmanager
@@ -139,7 +110,9 @@ def _fmt(x: float, spec: str = ".3e") -> str:
 def table_rows(records: list[dict]) -> list[list[str]]:
     out = []
     for r in records:
-        max_abs = f"{_fmt(r['max_abs'])} ({_fmt(r['actual_at_max'], '.5g')} vs {_fmt(r['expected_at_max'], '.5g')})"
+        idx = r.get("max_abs_index")
+        at = f" at {list(idx)}" if idx else ""
+        max_abs = f"{_fmt(r['max_abs'])}{at} ({_fmt(r['actual_at_max'], '.5g')} vs {_fmt(r['expected_at_max'], '.5g')})"
         out.append([
             r["kernel"], r["case"], r["output"], r["impl"], _fmt(r["rel_l2"]), max_abs, _fmt(r["pct_close"], ".2f"),
             _fmt(r["sqnr_db"], ".1f"), _fmt(r["tol_rel_l2"], ".1e") if r["tol_rel_l2"] is not None else "-",
@@ -148,8 +121,8 @@ def table_rows(records: list[dict]) -> list[list[str]]:
     return out
 
 
-HEADERS = ["kernel", "case", "output", "impl", "rel L2", "max abs (actual vs expected)", "% close", "SQNR dB", "tol",
-           "verdict"]
+HEADERS = ["kernel", "case", "output", "impl", "rel L2", "max abs at [index] (actual vs expected)", "% close",
+           "SQNR dB", "tol", "verdict"]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -51,7 +51,7 @@ class Mutant:
 def _real_moe_mlp(flags):
     """The production ``moe_mlp`` the flags select (what ``model.moe`` dispatches), for wrapping."""
     from nxgates.kernels.gmm import ops as gmm_ops
-    from nxgates.model.config import moe_tiles
+    from nxgates.model.flags import moe_tiles
 
     return functools.partial(
         gmm_ops.moe_mlp, fused_swiglu=bool(flags.moe_wi_gmm_fused_swiglu),
@@ -188,8 +188,8 @@ def _loss_wrong_count(logp, old_logp, advantages, mask, *, ratio_clip=None):
 
 # Predictions (the gates each mutant must fail), written before the mutants ran against the table calibrated on
 # 2026-12-02 17:47 UTC (per-step rel = the control's distance to the float32 reference, slack from twelve benign k-tile
-# reassociations; routing replayed from the control). Where an expected effect sits near a bound, its "why" says so;
-# where the first run proved a prediction wrong, the "why" says CORRECTED, what was declared and why it was wrong.
+# reassociations; routing replayed from the control). Where an expected effect sits near a bound, its "why" says so.
+# Two predictions were corrected after their first run; what was declared, and why it was wrong: docs/mutants.md.
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("dswiglu_missing_factor", "fused dSwiGLU epilogue drops the (1 + gate * (1 - s)) factor of silu'",
            {"moe_wo_gmm_fused_dswiglu": True}, frozenset({"N3", "N4", "N5", "N6"}),
@@ -202,12 +202,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("d_route_weighted", "the router gradient from the weighted gradient: rowsum(r * g * h) for rowsum(g * h)",
            {"moe_router_grad_from_wo_input": True}, frozenset({"N3", "N4", "N5", "N6"}),
            "the routers' gradient shrinks by the routing weight (top-2 renormalized, ~1/2): the router tensors move "
-           "~0.5 from the control, far past their bound (N5), and the norm moves (N3); the forward is untouched at "
-           "step 1 and moves only through the updates (N2 passes). CORRECTED after the 2026-12-02 18:10 run "
-           "(declared N3 N5; failed N3 N4 N5 N6): the wrong router gradient also flows into every earlier layer "
-           "through the router's input, an error independent of bf16's that puts the whole gradient 1.21-1.24 x the "
-           "control's distance from the float32 reference (N4, slack 0.05), and the routers' halved gradients reach "
-           "AdamW's second moment, so the step-2 and step-3 updates lie 1.06-1.075 x the control's distance (N6)",
+           "~0.5 from the control, far past their bound (N5), and the norm moves (N3); the wrong router gradient also "
+           "flows into every earlier layer through the router's input, an error independent of bf16's that puts the "
+           "whole gradient 1.21-1.24 x the control's distance from the float32 reference (N4, slack 0.05), and the "
+           "routers' halved gradients reach AdamW's second moment, so the step-2 and step-3 updates lie 1.06-1.075 x "
+           "the control's distance (N6); the forward is untouched at step 1 and moves only through the updates (N2 "
+           "passes)",
            overrides=_d_route_weighted),
     Mutant("fp8_amax_per_shard", "gather8 takes each fsdp shard's own absmax instead of the global one",
            {"fp8_fake_quant_hoist": "gather8"}, ALL_BUT_N1,
@@ -222,9 +222,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "the state handed to the next context rank is wrong: the forward of its tokens changes (N2) and with it "
            "every gradient (N4, N5) by much more than rounding (measured without replay: 0.13 from the control at "
            "step 1); with routing replayed, the update's sign flips are the control's but for those the bug causes "
-           "(N6, slack 0.05). CORRECTED after the 2026-12-02 18:10 run (declared N2..N6; failed N2 N4 N5 N6): the "
-           "wrong state changes the gradient's direction (9.2e-2 from the control, 2.6 x the control's distance from "
-           "the reference) but not its length: the norm stays within 4.3e-4 of the control's, under N3's 2e-3",
+           "(N6, slack 0.05). The wrong state changes the gradient's direction (9.2e-2 from the control, 2.6 x the "
+           "control's distance from the reference) but not its length: the norm stays within 4.3e-4 of the "
+           "control's, under N3's 2e-3 (N3 passes)",
            overrides=_fold_skipping_a_chunk("gdn_cp_fold")),
     Mutant("dh_scan_skips_a_chunk", "the backward GDN CP fold composes every transposed map but one",
            {"gdn_cp_dh_scan": True}, frozenset({"N4"}),
@@ -282,12 +282,13 @@ def run_mutants(config: str = "tiny", *, api=None, only=None, cache_dir=None, pr
                 mutants: tuple[Mutant, ...] = MUTANTS) -> list[MutantResult]:
     from nxgates.gates import record as record_lib
     from nxgates.gates import runner as runner_lib
+    from nxgates.gates.errors import BadInput
 
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     names = [m.name for m in mutants]
     for n in only or ():
         if n not in names:
-            raise runner_lib.BadInput(f"--only {n}: unknown mutant; mutants are {names}")
+            raise BadInput(f"--only {n}: unknown mutant; mutants are {names}")
     chosen = [m for m in mutants if not only or m.name in only]
     r = runner_lib.Runner(config, api=api, cache=record_lib.RecordCache(cache_dir, log=progress), progress=progress)
     base = r.api.as_dict(r.base_flags)

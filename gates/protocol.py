@@ -1,4 +1,4 @@
-"""The three-step RL protocol with random advantages (DESIGN.md, "The protocol").
+"""The three-step RL protocol with random advantages (docs/design.md, "The protocol").
 
 One run = the same seeded batch (tokens, completion mask, one advantage per sequence) fed to three optimizer steps
 of the GRPO policy loss, on-policy (``old = stop_gradient(logp)``, so the ratio is exactly 1), token-mean over the

@@ -15,6 +15,7 @@ from tabulate import tabulate
 
 from nxgates.gates import atomic
 from nxgates.gates import gates as gates_lib
+from nxgates.gates.tolerances import Tolerances
 
 HEADERS = ("gate", "step", "vs control", "bound", "vs reference", "bound (ref)", "verdict")
 
@@ -33,7 +34,7 @@ class Report:
     checks: list  # list[gates.runner.CheckResult]
     golden: object | None  # gates.golden.GoldenComparison
     env: dict
-    tolerances: gates_lib.Tolerances
+    tolerances: Tolerances
     wall_s: float = 0.0
     pending: list = dataclasses.field(default_factory=list)  # checks not run yet (a partial report)
 

@@ -1,39 +1,32 @@
-"""The check runner behind ``gates.check`` and ``python -m nxgates run``.
+"""The check runner: one config, its control and float32 reference shared by every check, then the six gates.
 
 For each check (a ``gates.contracts.CheckSpec``): the control (config flags + the check's control prerequisites,
 production precision) and the float32 reference (same flags, ``precision="reference"``) come from the record cache,
 computed once per (config, control flags) and reused by every candidate; the candidate (control + the check's flags) is
 cached the same way unless a mutant's override or loss is in effect (then always computed fresh); then the six
-gates. Every flag combination is parsed and validated before anything runs, so a
-refused combination costs no compile.
+gates. Every flag combination is parsed and validated before anything runs, so a refused combination costs no compile.
 
-The model is reached through ``ModelAPI``; ``default_model_api()`` wires the real ``model`` package.
+The model is reached through a ``gates.model_api.ModelAPI``; a record's key is ``gates.provenance.record_key``; a
+whole run (the default checks or ``--flags``, the golden comparison, the report) is ``gates.suite.check``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import importlib
-import pathlib
-import platform
 import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
 from nxgates.gates import contracts as contracts_lib
 from nxgates.gates import gates as gates_lib
 from nxgates.gates import protocol
 from nxgates.gates import record as record_lib
-
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parent.parent  # nxgates.<layer> folders: reference/, kernels/, ...
-# Source folders whose code determines a run record (a change invalidates the cache).
-SOURCE_DIRS = ("reference", "kernels", "model")
-SOURCE_FILES = ("gates/protocol.py", "gates/sketch.py", "gates/recorder.py")
+from nxgates.gates.errors import BadInput
+from nxgates.gates.model_api import ModelAPI, default_model_api
+from nxgates.gates.provenance import environment, record_key, routing_digest, source_hash
+from nxgates.gates.tolerances import Tolerances, load_tolerances
 
 
 def control_routing(control: record_lib.RunRecord) -> list | None:
@@ -42,130 +35,7 @@ def control_routing(control: record_lib.RunRecord) -> list | None:
     return None if any(r is None for r in routes) else routes
 
 
-def routing_digest(replay) -> str:
-    h = hashlib.sha256()
-    for ids in replay:
-        a = np.ascontiguousarray(np.asarray(ids, np.int32))
-        h.update(repr(a.shape).encode())
-        h.update(a.tobytes())
-    return h.hexdigest()
-
-
-class BadInput(ValueError):
-    """Input the runner refuses (exit 2): the message names the key and its value."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelAPI:
-    """The model functions the runner needs (see /work/notes/interfaces.md, model/)."""
-
-    load_config: Callable[[str], Any]
-    parse_flags: Callable[..., Any]  # (overrides: dict, base: Flags | None) -> Flags
-    validate: Callable[[Any, Any], None]
-    init_params: Callable[[Any, int], Any]
-    build_log_probs: Callable[..., Callable]
-    make_mesh: Callable[[Any], Any]
-    implementations: Callable[[], dict]
-    base_flags: Callable[[Any], Any]  # cfg -> the config's control Flags ([flags])
-    tuned: Callable[[Any], Mapping[str, Any]]  # cfg -> the config's [tuned] values
-    dims: Callable[[Any], tuple[int, int, int]]  # cfg -> (batch, seq_len, vocab)
-    as_dict: Callable[[Any], dict]  # a config or Flags -> JSON-able dict
-    config_error: type[Exception]
-    config_files: Callable[[str], list[pathlib.Path]]  # the files defining a config (hashed into cache keys)
-    with_prerequisites: Callable[[Any, Mapping[str, Any]], dict] | None = None  # (cfg, overrides) -> + prerequisites
-    place_params: Callable[[Any, Any], Any] | None = None  # (params, mesh) -> params placed on the mesh
-    override: Callable[[str, Callable], Any] | None = None  # model.ops.override (the mutants inject through it)
-    source_dirs: tuple[str, ...] = SOURCE_DIRS
-    list_configs: Callable[[], list[str]] = lambda: []
-
-
-def default_model_api() -> ModelAPI:
-    """The real model package (imports jax)."""
-    from nxgates.model import config as mconfig
-    from nxgates.model import ops as mops
-    from nxgates.model import sharding as msharding
-    from nxgates.model import transformer as mtransformer
-
-    def as_dict(obj):
-        if dataclasses.is_dataclass(obj):
-            return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        return dict(obj)
-
-    return ModelAPI(
-        load_config=mconfig.load_config,
-        parse_flags=mconfig.parse_flags,
-        validate=mconfig.validate,
-        init_params=mtransformer.init_params,
-        build_log_probs=mtransformer.build_log_probs,
-        make_mesh=msharding.make_mesh,
-        implementations=mops.implementations,
-        base_flags=lambda cfg: cfg.control,
-        tuned=mconfig.tuning_flags,
-        dims=lambda cfg: (int(cfg.batch_size), int(cfg.seq_len), int(cfg.vocab_size)),
-        as_dict=as_dict,
-        config_error=mconfig.ConfigError,
-        config_files=lambda name: [pathlib.Path(name) if name.endswith(".toml")
-                                   else mconfig.config_dir() / f"{name}.toml"],
-        with_prerequisites=mconfig.with_prerequisites,
-        place_params=msharding.shard_params,
-        override=mops.override,
-        list_configs=lambda: list(mconfig.available_configs()),
-    )
-
-
-def _jsonable(v):
-    if dataclasses.is_dataclass(v):
-        return {f.name: _jsonable(getattr(v, f.name)) for f in dataclasses.fields(v)}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (bool, int, float, str)) or v is None:
-        return v
-    return str(v)
-
-
-def source_hash(dirs: tuple[str, ...] = SOURCE_DIRS, files: tuple[str, ...] = SOURCE_FILES,
-                extra: list[pathlib.Path] = ()) -> str:
-    """sha256 over the .py files of ``dirs`` (sorted), ``files`` and ``extra``, names included."""
-    h = hashlib.sha256()
-    paths = []
-    roots = {d: pathlib.Path(importlib.import_module(f"nxgates.{d}").__file__).resolve().parent for d in dirs}
-    for d in dirs:
-        paths += [(f"{d}/{p.relative_to(roots[d])}", p) for p in sorted(roots[d].rglob("*.py"))]
-    gates_root = pathlib.Path(__file__).resolve().parent
-    paths += [(f, gates_root / f.removeprefix("gates/")) for f in files]
-    paths += [(str(p), p) for p in extra]
-    for name, p in paths:
-        if p.is_file():
-            h.update(name.encode())
-            h.update(b"\0")
-            h.update(p.read_bytes())
-            h.update(b"\0")
-    return h.hexdigest()
-
-
-def environment() -> dict:
-    """Versions and the device the runs execute on."""
-    import jax
-    import jaxlib
-    import numpy
-    import optax
-
-    devs = jax.devices()
-    return {
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "numpy": numpy.__version__,
-        "optax": optax.__version__,
-        "platform": devs[0].platform,
-        "device_kind": devs[0].device_kind,
-        "device_count": len(devs),
-    }
-
-
-def _stderr(msg: str) -> None:
+def stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -213,8 +83,8 @@ class Runner:
         settings: protocol.ProtocolSettings = protocol.DEFAULT_SETTINGS,
         cache: record_lib.RecordCache | None = None,
         use_cache: bool = True,
-        tolerances: gates_lib.Tolerances | None = None,
-        progress: Callable[[str], None] | None = _stderr,
+        tolerances: Tolerances | None = None,
+        progress: Callable[[str], None] | None = stderr,
     ):
         self.api = api or default_model_api()
         self.config_name = config
@@ -223,7 +93,7 @@ class Runner:
         self.progress = progress or (lambda msg: None)
         self.cache = cache or record_lib.RecordCache(log=self.progress)
         self.use_cache = use_cache
-        self.tolerances = tolerances or gates_lib.load_tolerances()
+        self.tolerances = tolerances or load_tolerances()
         self.base_flags = self.api.base_flags(self.cfg)
         self.env = environment()
         self.seeds = {"params": protocol.seed_for(f"{config}/params"), "batch": protocol.seed_for(f"{config}/batch")}
@@ -257,7 +127,10 @@ class Runner:
                                             self.closure, tiles=tiles)
 
     def user_spec(self, flags: Mapping[str, Any]) -> contracts_lib.CheckSpec:
-        """A check from user flags: tuning keys go to the candidate, configuration keys to both sides."""
+        """A check from user flags: tuning keys go to the candidate, configuration keys to both sides. As in the
+        default run, the candidate also gets the prerequisite tuning flags the model's rules name, at the config's
+        tuned values (the model's closure); ``added_prerequisites`` of the spec says which. Keys the user chose are
+        never changed: where no tuned value satisfies a rule, the refusal names the setting that would."""
         if not flags:
             raise BadInput("flags={} names no flag; omit --flags to check every registered flag")
         parsed = self.api.as_dict(self.flags_from(flags))  # unknown key / malformed value -> ConfigError
@@ -270,10 +143,17 @@ class Runner:
             raise BadInput(f"flags {shown}: no tuning flag differs from config {self.config_name!r}'s control, "
                            "nothing to check")
         name = ",".join(f"{k}={v}" for k, v in changed.items())
-        # The user's explicit choice is the check: no prerequisite is added behind their back (a missing one is refused
-        # by validate with the rule's message).
-        spec = contracts_lib.build_check(name, changed, base)
-        return dataclasses.replace(spec, control_overrides=config_keys)
+        if config_keys and self.api.with_prerequisites is not None:
+            # the closure runs on the control the user chose (their control settings on both sides)
+            cfg = dataclasses.replace(self.cfg, control=self.flags_from(config_keys))
+            closure = functools.partial(self.api.with_prerequisites, cfg)
+        else:
+            closure = self.closure
+        # The user's keys, in full (an explicit value equal to the control's is a choice the closure must keep too).
+        chosen = {**changed, **{k: v for k, v in tuning.items() if k not in changed}}
+        spec = contracts_lib.build_check(name, chosen, base, closure)
+        added = {k: v for k, v in spec.candidate_overrides.items() if k not in flags}
+        return dataclasses.replace(spec, keys=tuple(changed), control_overrides=config_keys, added_prerequisites=added)
 
     # -------------------------------------------------------------------------------------------------- records
     def params0(self):
@@ -282,21 +162,11 @@ class Runner:
         return self._params0
 
     def key_parts(self, flags, precision: str, replay=None) -> dict:
-        parts = {
-            "kind": "run-record",
-            "config": self.config_name,
-            "config_values": self.api.as_dict(self.cfg),
-            "flags": self.api.as_dict(flags),
-            "precision": precision,
-            "settings": self.settings.as_dict(),
-            "sketch": protocol.DEFAULT_SKETCH.to_json(),
-            "seeds": self.seeds,
-            "env": self.env,
-            "source_sha256": self._src_hash,
-        }
-        if replay is not None:  # a replaying run depends on the routing it replays
-            parts["routing_replay_sha256"] = routing_digest(replay)
-        return parts
+        """The cache key of the record of ``flags`` at ``precision`` replaying ``replay`` (``record_key``)."""
+        return record_key(config=self.config_name, config_values=self.api.as_dict(self.cfg),
+                          flags=self.api.as_dict(flags), precision=precision, settings=self.settings.as_dict(),
+                          seeds=self.seeds, env=self.env, source_sha256=self._src_hash, replay=replay,
+                          sketch=protocol.DEFAULT_SKETCH.to_json())
 
     def compute(self, flags, precision: str, label: str, *, loss_fn=protocol.grpo_loss,
                 replay=None) -> record_lib.RunRecord:
@@ -318,7 +188,7 @@ class Runner:
             meta["routing_replay_sha256"] = routing_digest(replay)
         rec = protocol.run_protocol(fn, params, self.batch, self.settings, metadata=meta, loss_fn=loss_fn,
                                     progress=progress, label=label, replay=replay)
-        rec.metadata["implementations"] = dict(self.api.implementations())
+        rec.metadata["implementations"] = dict(self.api.implementations(fn))
         rec.metadata["run_s"] = round(time.perf_counter() - t, 3)
         return rec
 
@@ -381,106 +251,3 @@ class Runner:
         """The config's own control if this runner has it (for the golden comparison)."""
         k = record_lib.key_digest(self.key_parts(self.base_flags, "production"))
         return self._records.get(k)
-
-
-def check(
-    config: str = "tiny",
-    flags: Mapping[str, Any] | None = None,
-    *,
-    api: ModelAPI | None = None,
-    settings: protocol.ProtocolSettings = protocol.DEFAULT_SETTINGS,
-    tiles: str = "each",
-    cache_dir: str | None = None,
-    use_cache: bool = True,
-    tolerances_path: str | None = None,
-    golden_dir: str | None = None,
-    progress: Callable[[str], None] | None = _stderr,
-    on_check: Callable[[Any], None] | None = None,
-    jobs: int = 1,
-):
-    """Run the gates: ``flags=None`` checks every registered flag alone and the tuned combination; otherwise one check
-    of ``flags`` ({key: value or string}). Returns a ``gates.report.Report``. Bad input raises ``ConfigError`` (from
-    model.config) or ``BadInput``, both ``ValueError``, before anything is computed. ``on_check(partial_report)`` is
-    called after each check (the CLI writes the reports so far). ``jobs > 1`` (with the cache and the real model):
-    the records are computed first by that many worker processes (``prefetch``), then the checks read them."""
-    from nxgates.gates import golden as golden_lib
-    from nxgates.gates import report as report_lib
-
-    tols = gates_lib.load_tolerances(tolerances_path) if tolerances_path else gates_lib.load_tolerances()
-    runner = Runner(config, api=api, settings=settings,
-                    cache=record_lib.RecordCache(cache_dir, log=progress or (lambda m: None)), use_cache=use_cache,
-                    tolerances=tols, progress=progress)
-    specs = runner.default_specs(tiles) if flags is None else [runner.user_spec(flags)]
-    for spec in specs:  # refuse a bad combination before any compile
-        runner.resolve(spec)
-    if progress:
-        progress(f"config {config!r}: {len(specs)} check(s): " + ", ".join(f"{s.name} ({s.contract})" for s in specs))
-    if jobs > 1 and use_cache and api is None:
-        prefetch(runner, specs, jobs, cache_dir)
-    checks = []
-    for spec in specs:
-        checks.append(runner.run_check(spec))
-        if on_check is not None and len(checks) < len(specs):
-            on_check(report_lib.Report(config=config, checks=list(checks), golden=None, env=runner.env,
-                                       tolerances=tols, wall_s=round(time.perf_counter() - runner.t0, 2),
-                                       pending=[s.name for s in specs[len(checks):]]))
-    base = runner.base_control()
-    gold = None
-    if base is not None:
-        gold = golden_lib.compare_with_golden(config, base[0], tols, golden_dir=golden_dir)
-    return report_lib.Report(config=config, checks=checks, golden=gold, env=runner.env, tolerances=tols,
-                             wall_s=round(time.perf_counter() - runner.t0, 2))
-
-
-# ------------------------------------------------------------------------------------------------------------ prefetch
-_WORKER: dict = {}  # per worker process: (config, settings, cache_dir) -> (Runner, the control's routing)
-
-
-def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str) -> str:
-    """Worker process: one record into the cache (``overrides=None``: the float32 reference), replaying the
-    control's routing read from the cache (once per worker process). Returns how the record was obtained."""
-    key = (config, tuple(sorted(settings.items())), cache_dir)
-    if key not in _WORKER:
-        r = Runner(config, settings=protocol.ProtocolSettings(**settings),
-                   cache=record_lib.RecordCache(cache_dir, log=lambda m: None), progress=None)
-        control, _ = r.shared_record(r.base_flags, "production", "control")
-        _WORKER[key] = (r, control_routing(control))
-    r, replay = _WORKER[key]
-    r.progress = lambda m: _stderr(f"  [{label}] {m.split('] ', 1)[-1]}")
-    flags, precision = (r.base_flags, "reference") if overrides is None else (r.flags_from(overrides), "production")
-    how = r.shared_record(flags, precision, label, replay)[1]
-    # The record is on disk now; keep only the control in this process's memory (a record is ~140 MB on tiny).
-    r._records.pop(record_lib.key_digest(r.key_parts(flags, precision, replay)), None)
-    return how
-
-
-def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None) -> None:
-    """Compute the control here, then the reference and every candidate of ``specs`` in ``jobs`` worker processes,
-    into the record cache (compilation is single-threaded, so two processes on two cores roughly halve the wall time).
-    Only the candidates with a config's default control are prefetched; a worker's failure is reported and the check
-    computes the record itself later."""
-    import concurrent.futures
-    import multiprocessing
-
-    runner.shared_record(runner.base_flags, "production", "control")
-    base = runner.api.as_dict(runner.base_flags)
-    jobs_list = [(None, "reference")]
-    for spec in specs:
-        control_flags, candidate_flags = runner.resolve(spec)
-        if runner.api.as_dict(control_flags) != base:
-            continue
-        jobs_list.append((runner.api.as_dict(candidate_flags), f"candidate[{spec.name}]"))
-    t = time.perf_counter()
-    runner.progress(f"[{t - runner.t0:7.1f}s] prefetch: {len(jobs_list)} records in {jobs} worker processes")
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        settings = runner.settings.as_dict()
-        futures = {pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label): label
-                   for ov, label in jobs_list}
-        for fut in concurrent.futures.as_completed(futures):
-            label = futures[fut]
-            try:
-                how = fut.result()
-                runner.progress(f"[{time.perf_counter() - runner.t0:7.1f}s] prefetch: {label} {how.split(' (')[0]}")
-            except Exception as e:  # the check recomputes it; nothing is trusted from a failed worker
-                runner.progress(f"prefetch: {label} failed in its worker ({type(e).__name__}: {e}); computed later")

@@ -278,10 +278,6 @@ def check_tiles_fit(
     return out
 
 
-def footprint_mib(items: dict[str, int]) -> float:
-    return items["total"] / MIB
-
-
 __all__ = [
     "CHIP_BUDGETS",
     "ChipBudget",

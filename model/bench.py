@@ -34,20 +34,20 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from nxgates.model import config, ops, sharding, transformer
+    from nxgates.model import config, flags, rules, sharding, transformer
 
     try:
         cfg = config.load_config(args.config)
         overrides = dict(kv.split("=", 1) for kv in args.flags)
-        flags = config.flags_for(cfg, overrides)
-    except (config.ConfigError, ValueError) as e:
+        model_flags = rules.flags_for(cfg, overrides)
+    except (flags.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    mesh = sharding.make_mesh(flags)
+    mesh = sharding.make_mesh(model_flags)
     params = sharding.shard_params(transformer.init_params(cfg, 0), mesh)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len)), jnp.int32)
-    log_probs = transformer.build_log_probs(cfg, flags, precision=args.precision, mesh=mesh)
+    log_probs = transformer.build_log_probs(cfg, model_flags, precision=args.precision, mesh=mesh)
 
     def loss(p, t):
         logp, aux = log_probs(p, t)
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(loss {float(value):.6f}, dropped_tokens {int(aux['dropped_tokens'])})")
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     print(f"peak RSS: {peak_mib:.0f} MiB")
-    print("implementations:", ops.implementations())
+    print("implementations:", log_probs.implementations())
     return 0
 
 

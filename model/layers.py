@@ -22,7 +22,6 @@ Tests: ``python -m pytest tests/model/test_layers.py -q``.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +59,6 @@ class Dims:
     @classmethod
     def from_config(cls, cfg) -> Dims:
         head_dim = cfg.attn_head_dim
-        rotary = int(round(head_dim * cfg.partial_rotary_fraction))
-        rotary -= rotary % 2  # rotate-half needs an even number of rotated dims
         return cls(
             vocab=cfg.vocab_size,
             d_model=cfg.hidden_dim,
@@ -79,7 +76,7 @@ class Dims:
             attn_heads=cfg.attn_num_q_heads,
             attn_kv_heads=cfg.attn_num_kv_heads,
             attn_head_dim=head_dim,
-            rotary_dim=rotary,
+            rotary_dim=cfg.rotary_dim,  # ModelConfig's (refused unless even and >= 2)
             rope_theta=float(cfg.rope_theta),
             norm_eps=float(cfg.rms_eps),
         )
@@ -98,6 +95,13 @@ class Ctx:
     seq_len: int  # global S
     load_balance: bool  # zigzag layout of the residual stream over context
     interpret: bool  # Pallas kernels in interpret mode (CPU)
+    # The ops this build dispatched, {op: implementation}: owned by the build (model.transformer.build_log_probs
+    # clears it at each trace and its function returns it), never a module global.
+    record: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def op(self, name: str, impl: str, **options):
+        """``model.ops.dispatch`` of op ``name`` in implementation ``impl``, recorded in this build's ``record``."""
+        return ops.dispatch(name, impl, record=self.record, **options)
 
     @property
     def reference(self) -> bool:
@@ -183,7 +187,7 @@ def attention_ids(ctx: Ctx, hoisted: bool):
     """``(q_positions, q_segments, kv_positions, kv_segments)`` of this rank for the residual stream's layout."""
     rank = jax.lax.axis_index("context") if ctx.context > 1 else 0
     if ctx.load_balance:
-        lb_ids = ops.dispatch("lb_ids", "zigzag", hoisted=hoisted)
+        lb_ids = ctx.op("lb_ids", "zigzag", hoisted=hoisted)
         pos, seg = lb_ids(ctx.seq_len, ctx.context, rank)
     else:
         pos, seg = contiguous_ids(ctx.seq_len, ctx.context, rank)
@@ -230,21 +234,21 @@ def _gdn_impl(ctx: Ctx):
     """The ``gdn`` op the flags select."""
     d, f = ctx.dims, ctx.flags
     if ctx.reference:
-        return ops.dispatch("gdn", "reference", chunk_size=d.gdn_chunk, axis_name="context", context_size=ctx.context)
+        return ctx.op("gdn", "reference", chunk_size=d.gdn_chunk, axis_name="context", context_size=ctx.context)
     if f.gdn_cp_mode == "seq" and ctx.context > 1:
         if f.gdn_cp_m_scan:
-            fold = ops.dispatch("gdn_cp_fold", "m_scan", interpret=ctx.interpret)
+            fold = ctx.op("gdn_cp_fold", "m_scan", interpret=ctx.interpret)
         else:
-            fold = ops.dispatch("gdn_cp_fold", "tree")
+            fold = ctx.op("gdn_cp_fold", "tree")
         if f.gdn_cp_dh_scan:
-            dh_fold = ops.dispatch("gdn_cp_dh_fold", "dh_scan", interpret=ctx.interpret)
+            dh_fold = ctx.op("gdn_cp_dh_fold", "dh_scan", interpret=ctx.interpret)
         else:
-            dh_fold = ops.dispatch("gdn_cp_dh_fold", "tree")
-        return ops.dispatch(
+            dh_fold = ctx.op("gdn_cp_dh_fold", "tree")
+        return ctx.op(
             "gdn", "cp", chunk_size=d.gdn_chunk, axis_name="context", fold=fold, dh_fold=dh_fold,
             interpret=ctx.interpret,
         )
-    return ops.dispatch("gdn", "xla", chunk_size=d.gdn_chunk, axis_name="context", context_size=ctx.context)
+    return ctx.op("gdn", "xla", chunk_size=d.gdn_chunk, axis_name="context", context_size=ctx.context)
 
 
 def gdn_layer(ctx: Ctx, W: Weights, h):
@@ -341,11 +345,8 @@ def attention_layer(ctx: Ctx, W: Weights, h, ids):
     if ctx.context > 1:
         k = jax.lax.all_gather(k, "context", axis=1, tiled=True)  # [B, S, Hkv, Dh], rank-major like kv_pos
         v = jax.lax.all_gather(v, "context", axis=1, tiled=True)
-    attn = ops.dispatch("attention", "reference" if ctx.reference else "xla")
+    attn = ctx.op("attention", "reference" if ctx.reference else "xla")
     o = attn(q, k, v, (q_pos, kv_pos), (q_seg, kv_seg))  # [B, S_l, Hq, Dh]
     o = (o.astype(F32) * jax.nn.sigmoid(gate.astype(F32))).astype(ctx.cdt)  # sigmoid output gate
     return ctx.dot("BSN,ND->BSD", o.reshape(b, s_local, hq * hd), W("out_proj"))  # [B, S_l, D]
 
-
-def init_scale(fan_in: int) -> float:
-    return 1.0 / math.sqrt(fan_in)

@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from nxgates import reference
 from nxgates.model import ops
-from nxgates.model.layers import F32, Ctx, Weights, gather_fsdp, rms_norm
+from nxgates.model.layers import F32, Ctx, Weights, gather_fsdp
 
 MOE_PARAMS = ("norm", "router", "wi", "wo", "shared_wi", "shared_wo", "shared_gate")
 
@@ -66,7 +66,7 @@ def hoist_fp8(ctx: Ctx, w_stack, axis: int):
     Returns codes ``[L, E_local, K_local, N]`` float8_e4m3fn and scale ``[L, E_local, 1, N]``.
     """
     w_c = w_stack.astype(ctx.cdt)  # the same cast the per-layer path applies before its gather
-    amax_fn = ops.dispatch("fp8_amax", "absmax", hoisted=True)
+    amax_fn = ctx.op("fp8_amax", "absmax", hoisted=True)
     amax = amax_fn(w_c, (axis,), "fsdp" if ctx.fsdp > 1 else None)  # [L, E_l, 1, N]
     scale = ops.scale_from_amax(amax)
     codes = reference.fp8_quantize(w_c, scale)
@@ -109,8 +109,8 @@ def expert_weight(ctx: Ctx, W: Weights, name: str, hoisted, like):
         w = gathered_dequant(W.params[name], codes, scale, W.gather_dims[name], ctx.fsdp, ctx.cdt)
     else:
         w = W(name)  # [E_l, K, N]
-        amax = ops.dispatch("fp8_amax", "absmax", hoisted=False)(w, (1,), None)  # [E_l, 1, N]
-        w = ops.dispatch("fp8_fake_quant", "reference")(w, amax)
+        amax = ctx.op("fp8_amax", "absmax", hoisted=False)(w, (1,), None)  # [E_l, 1, N]
+        w = ctx.op("fp8_fake_quant", "reference")(w, amax)
     return match_vma(w, like)
 
 
@@ -146,10 +146,10 @@ def route(ctx: Ctx, h_td, w_router, replay=None):
 def _moe_impl(ctx: Ctx):
     f = ctx.flags
     if ctx.reference:
-        return ops.dispatch("moe_mlp", "reference")
-    from nxgates.model.config import moe_tiles
+        return ctx.op("moe_mlp", "reference")
+    from nxgates.model.flags import moe_tiles
 
-    return ops.dispatch(
+    return ctx.op(
         "moe_mlp",
         "pallas",
         fused_swiglu=bool(f.moe_wi_gmm_fused_swiglu),
@@ -212,6 +212,3 @@ def moe_block(ctx: Ctx, W: Weights, h, hoisted_wi=None, hoisted_wo=None, replay=
     y = (y_tok + shared_gate * shared).astype(ctx.cdt)
     return y.reshape(b, s_local, dm), dropped, own.reshape(b, s_local, k)
 
-
-def rms(ctx, x, scale):
-    return rms_norm(x, scale, ctx.dims.norm_eps, ctx.cdt)

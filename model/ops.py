@@ -1,11 +1,11 @@
 """The dispatch table of the model path: every numerically relevant op goes through here.
 
-``dispatch(name, impl, **options)`` returns the function of op ``name`` in implementation ``impl`` (built with the
-static ``options``, e.g. the GMM flags and tiles) and records which implementation ran; ``implementations()`` returns
-that record for the last trace (``reset()`` is called at the start of every trace of
-``model.transformer.build_log_probs``'s function); ``override(name, fn)`` replaces op ``name`` for everything traced
-while it is active and records ``"override:<fn.__name__>"`` (this is how the gates' deliberately wrong variants are
-injected).
+``dispatch(name, impl, record=..., **options)`` returns the function of op ``name`` in implementation ``impl`` (built
+with the static ``options``, e.g. the GMM flags and tiles) and writes which implementation it chose into ``record``, a
+dict the caller owns: ``model.transformer.build_log_probs`` gives each built model its own (``Ctx.record``, cleared at
+the start of every trace) and the built function returns it (``fn.implementations()``). ``override(name, fn)`` replaces
+op ``name`` for everything traced while it is active and records ``"override:<fn.__name__>"`` (this is how the gates'
+deliberately wrong variants are injected).
 
 Ops and signatures (all called inside the model's ``shard_map`` on per-device shards):
 
@@ -47,7 +47,6 @@ OP_NAMES = ("moe_mlp", "gdn", "gdn_cp_fold", "gdn_cp_dh_fold", "fp8_fake_quant",
 
 # name -> impl -> factory(**options) -> fn
 _FACTORIES: dict[str, dict[str, Callable[..., Callable]]] = {name: {} for name in OP_NAMES}
-_RECORD: dict[str, str] = {}
 _OVERRIDES: dict[str, list[Callable]] = {}
 
 _HI = jax.lax.Precision.HIGHEST
@@ -78,33 +77,25 @@ def _describe(impl: str, options: dict) -> str:
     return f"{impl}({args})"
 
 
-def dispatch(name: str, impl: str, **options) -> Callable:
-    """The function of op ``name`` in implementation ``impl`` (built with ``options``); records what was chosen.
+def dispatch(name: str, impl: str, *, record: dict[str, str] | None, **options) -> Callable:
+    """The function of op ``name`` in implementation ``impl`` (built with ``options``); ``record[name]`` says what was
+    chosen (``record=None``: nothing is recorded, for a caller outside a model build).
 
     An active ``override(name, fn)`` wins over ``impl`` (recorded as ``"override:<fn.__name__>"``).
     """
+    record = {} if record is None else record
     if name not in _FACTORIES:
         raise ValueError(f"dispatch: name={name!r} is not an op; ops are {OP_NAMES}")
     stack = _OVERRIDES.get(name)
     if stack:
         fn = stack[-1]
-        _RECORD[name] = f"override:{getattr(fn, '__name__', type(fn).__name__)}"
+        record[name] = f"override:{getattr(fn, '__name__', type(fn).__name__)}"
         return fn
     table = _FACTORIES[name]
     if impl not in table:
         raise ValueError(f"dispatch: impl={impl!r} is not an implementation of op {name!r}; known: {sorted(table)}")
-    _RECORD[name] = _describe(impl, options)
+    record[name] = _describe(impl, options)
     return table[impl](**options)
-
-
-def implementations() -> dict[str, str]:
-    """``{op name: implementation}`` of every op dispatched since the last ``reset()`` (i.e. in the last trace)."""
-    return dict(_RECORD)
-
-
-def reset() -> None:
-    """Forget the record (called at the start of each model trace)."""
-    _RECORD.clear()
 
 
 @contextlib.contextmanager
@@ -234,11 +225,6 @@ def _fold_scan(*, interpret: bool):
 # ----------------------------------------------------------------------------------------------------------------------
 # fp8
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def kept_axes(amax_shape, w_shape) -> tuple[int, ...]:
-    """The axes reduced for ``amax`` (size 1 in ``amax``, larger in ``w``)."""
-    return tuple(i for i, (a, n) in enumerate(zip(amax_shape, w_shape, strict=True)) if a == 1 and n != 1)
 
 
 def scale_from_amax(amax: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
 """The transformer: parameters, the scanned layer stack under remat, and per-token log-probs on the device mesh.
 
-Public API (``/work/notes/interfaces.md``):
+Public API (what ``gates.model_api.default_model_api`` wires into the gates):
 
 - ``init_params(cfg, seed) -> params``: nested dict of float32 arrays (the master weights); names are the ``/``-joined
   keys, e.g. ``layers/layer_0/gdn/q_proj`` (stacked: leading dim = number of layer groups).
@@ -11,6 +11,7 @@ Public API (``/work/notes/interfaces.md``):
   ``ids`` instead of its own top-k (``model.moe.route``), and ``routing_mismatch`` counts the (layer, token) pairs
   whose own top-k set differs from ``ids``. The same program runs with ``on`` false (no replay): the gates' control
   records its routing that way and the candidate and the float32 reference replay it (``gates/protocol.py``).
+  ``fn.implementations()``: ``{op: implementation}`` of every op the last trace of ``fn`` dispatched (``model.ops``).
 
 Structure: embedding -> ``num_layers`` pre-norm residual blocks (mixer in the pattern gdn, gdn, gdn, attention; each
 followed by a MoE block) -> final RMSNorm -> untied LM head -> ``log_softmax`` in float32.
@@ -44,8 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from nxgates.model import config as config_lib
-from nxgates.model import ops
+from nxgates.model import rules as rules_lib
 from nxgates.model import sharding as sh
 from nxgates.model.layers import (
     F32,
@@ -172,7 +172,7 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
-    config_lib.validate(cfg, flags)
+    rules_lib.validate(cfg, flags)
     sizes = sh.axis_sizes(mesh)
     for axis in sh.AXES:
         key = f"ici_{axis}_parallelism"
@@ -273,7 +273,7 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
     routing_shape = (groups, len(PATTERN), cfg.batch_size, cfg.seq_len, dims.top_k)
 
     def log_probs(params, tokens, routing=None):
-        ops.reset()
+        ctx.record.clear()  # this trace's dispatches replace the previous trace's
         if tokens.ndim != 2:
             raise ValueError(f"tokens.shape={tokens.shape} must be [B, S]")
         b, s = tokens.shape
@@ -310,4 +310,5 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
         return logp[:, : s - 1], {"dropped_tokens": dropped, "routing": used, "routing_mismatch": mismatch}
 
     log_probs.routing_shape = routing_shape
+    log_probs.implementations = lambda: dict(ctx.record)  # what the last trace dispatched, {op: implementation}
     return log_probs

@@ -5,7 +5,7 @@ einsum, returns float32, and validates its arguments at the boundary with a ``Va
 No Pallas here.
 """
 
-# Explicit re-exports (``name as name``): the public API of DESIGN.md.
+# Explicit re-exports (``name as name``): the public API of docs/design.md.
 from nxgates.reference.fp8 import fp8_dequantize as fp8_dequantize
 from nxgates.reference.fp8 import fp8_fake_quant as fp8_fake_quant
 from nxgates.reference.fp8 import fp8_quantize as fp8_quantize

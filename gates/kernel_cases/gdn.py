@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nxgates import reference
-from nxgates.gates.kernel_report import KernelRow, interpret_mode
+from nxgates.gates.kernel_cases.base import KernelRow, interpret_mode
 from nxgates.kernels.gdn import context_parallel as cp
 from nxgates.kernels.gdn import ops
 from nxgates.kernels.gdn.inputs import OUTPUTS, GdnInputs, make_inputs, outputs_and_grads

@@ -39,7 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from nxgates import reference as R
-from nxgates.gates.kernel_report import KernelRow, interpret_mode
+from nxgates.gates.kernel_cases.base import KernelRow, interpret_mode
 from nxgates.kernels.fp8 import fp8_absmax_quantize
 from nxgates.kernels.gmm import ops as G
 from nxgates.kernels.tiling import MoeTiles

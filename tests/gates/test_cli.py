@@ -13,14 +13,14 @@ import re
 import pytest
 
 from nxgates.gates import cli, golden
-from nxgates.gates import gates as G
+from nxgates.gates import tolerances as T
 from tests.gates import toy_model
 from tests.gates.toy_model import toy_run
 
 
 def tolerance_file(tmp_path: pathlib.Path, rel: float) -> str:
     """A copy of the repository's table with every gate's rel replaced (N1 stays 0)."""
-    text = G.DEFAULT_TOLERANCES.read_text()
+    text = T.DEFAULT_TOLERANCES.read_text()
     for gate in ("N2", "N3", "N4", "N5", "N6"):
         text = re.sub(rf"(\[gates\.{gate}\]\nrel = )[^\n]+", rf"\g<1>{rel}", text)
     p = tmp_path / f"tol-{rel}.toml"
@@ -64,19 +64,58 @@ def test_bad_input_exits_2_with_the_key_and_value(argv, message, workdir, capsys
 
 
 def test_real_model_refusals_exit_2(capsys):
-    """The real config's messages (model.config): unknown flag, malformed value, a refused combination."""
-    pytest.importorskip("nxgates.model.config")
+    """The real config's messages (model.flags, model.rules): unknown flag, malformed value, refused combinations.
+    Where no tuned value satisfies a rule, the refusal names the setting that would."""
     cases = [
-        (["--flags", "moe_wi_gmm_fused_swiglu_typo=true"], "unknown flag 'moe_wi_gmm_fused_swiglu_typo'"),
-        (["--flags", "wi_tile_fwd_batch_seq=big"], "wi_tile_fwd_batch_seq=big is malformed"),
-        (["--flags", "moe_router_grad_from_wo_input=true"],
-         "moe_router_grad_from_wo_input=True requires moe_wo_gmm_fused_dswiglu=True"),
-        (["--config", "huge"], "unknown config 'huge'"),
+        (["--flags", "moe_wi_gmm_fused_swiglu_typo=true"], ["unknown flag 'moe_wi_gmm_fused_swiglu_typo'"]),
+        (["--flags", "wi_tile_fwd_batch_seq=big"], ["wi_tile_fwd_batch_seq=big is malformed"]),
+        (["--flags", "moe_router_grad_from_wo_input=true", "moe_wo_gmm_fused_dswiglu=false"],
+         ["moe_router_grad_from_wo_input=True requires moe_wo_gmm_fused_dswiglu=True",
+          "would be satisfied by moe_wo_gmm_fused_dswiglu=True (instead of the chosen value)"]),
+        (["--flags", "moe_wo_gmm_fused_dswiglu=true", "wo_tile_dlhs_mlp_dim=64"],
+         ["moe_wo_gmm_fused_dswiglu=True requires wo_tile_dlhs_mlp_dim == moe_mlp_dim (one n tile)",
+          "would be satisfied by wo_tile_dlhs_mlp_dim=128 (instead of the chosen value)"]),
+        (["--flags", "fp8_fake_quant_hoist=gather8", "fp8_moe_fake_quant=false"],
+         ["fp8_fake_quant_hoist=gather8 requires fp8_moe_fake_quant=True",
+          "would be satisfied by fp8_moe_fake_quant=True (a control setting: set it in the config's [flags])"]),
+        (["--config", "huge"], ["unknown config 'huge'"]),
     ]
-    for argv, message in cases:
+    for argv, messages in cases:
         code = cli.main(argv)
         err = capsys.readouterr().err
-        assert code == 2 and message in err, (argv, err)
+        assert code == 2 and all(m in err for m in messages), (argv, err)
+        assert "step 1/3" not in err  # refused before anything ran
+
+
+@pytest.mark.parametrize("flags, added", [
+    ({"moe_wo_gmm_fused_dswiglu": "true"}, {"wo_tile_dlhs_mlp_dim": 128}),
+    ({"moe_router_grad_from_wo_input": "true"}, {"moe_wo_gmm_fused_dswiglu": True, "wo_tile_dlhs_mlp_dim": 128}),
+    ({"gdn_cp_m_scan": "true"}, {}),
+])
+def test_flags_add_the_prerequisites_the_default_run_adds(flags, added):
+    """``--flags`` builds the same candidate as the default run's check of that flag alone (no model is run)."""
+    from nxgates.gates.runner import Runner
+
+    r = Runner("tiny", progress=None)
+    spec = r.user_spec(flags)
+    assert spec.added_prerequisites == added
+    key = next(iter(flags))
+    default = next(c for c in r.default_specs() if c.name == key)
+    assert spec.candidate_overrides == default.candidate_overrides and spec.contract == default.contract
+    assert spec.keys == (key,)
+
+
+def test_flags_prints_the_prerequisites_it_added():
+    """What ``nxgates run --flags`` prints (progress, stderr) before anything runs: the prerequisites it added."""
+    from nxgates.gates import suite
+    from nxgates.gates.runner import Runner
+
+    spec = Runner("tiny", progress=None).user_spec({"moe_wo_gmm_fused_dswiglu": "true"})
+    messages = []
+    suite.announce_prerequisites([spec], messages.append)
+    assert messages == ["check 'moe_wo_gmm_fused_dswiglu=True': added the prerequisite tuning flags "
+                          "wo_tile_dlhs_mlp_dim=128 (the model's rules; the config's tuned values), as the default run "
+                          "does"]
 
 
 def test_pass_exit_0_writes_reports(workdir, capsys, tmp_path):
@@ -125,7 +164,7 @@ def test_list_flags(capsys):
 
 
 def test_golden_written_compared_and_never_overwritten_by_a_failed_run(tmp_path):
-    tols = G.load_tolerances()
+    tols = T.load_tolerances()
     control = toy_run("control")
     path = golden.write_golden("toy", control, tmp_path)
     saved = path.read_text()

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from nxgates.gates import compare, gates, recorder, records
+from nxgates.gates import compare, gates, recorder, records, tolerances
 
 W = 1024
 STEPS = 3
@@ -147,7 +147,7 @@ def _table(d, rel):
     text = "".join(f'[gates.{g}]\nrel = {rels[g]}\nslack = 0.05\nreason = "t"\nsource = "t"\n' for g in gates.GATES)
     p = d / f"tol_{abs(hash(tuple(rels.items())))}.toml"
     p.write_text(text + '[gates.golden]\nrel = 0.0\nreason = "t"\nsource = "t"\n')
-    return gates.load_tolerances(p)
+    return tolerances.load_tolerances(p)
 
 
 def test_exact_contract_is_decided_by_fingerprints(trio):

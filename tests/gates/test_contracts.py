@@ -5,9 +5,18 @@ Run: python -m pytest tests/gates/test_contracts.py -q
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import json
+
 import pytest
 
+from nxgates.gates import cli
 from nxgates.gates import contracts as C
+from nxgates.model import rules as rules_lib
+from nxgates.model.config import available_configs, load_config, tuning_flags
+from nxgates.model.flags import TUNING, FlagDeclarationError, parse_flags, tuning
+from nxgates.model.rules import validate, with_prerequisites
 
 
 @pytest.mark.parametrize(
@@ -41,7 +50,7 @@ def test_unknown_key_is_not_a_tuning_flag():
     assert not C.is_tuning_key("remat_policy") and C.is_tuning_key("wo_tile_drhs_mlp_dim")
 
 
-BASE = {k: False for k in C.REGISTRY} | {"fp8_fake_quant_hoist": "none", "wo_tile_dlhs_mlp_dim": 64,
+BASE = {k: False for k in C.FLAGS} | {"fp8_fake_quant_hoist": "none", "wo_tile_dlhs_mlp_dim": 64,
                                          "wi_tile_fwd_embed_dim": 128, "wi_tile_fwd_batch_seq": 128,
                                          "scan_layers": True}
 TUNED = {"moe_wo_gmm_fused_dswiglu": True, "moe_router_grad_from_wo_input": True, "fp8_fake_quant_hoist": "gather8",
@@ -60,7 +69,7 @@ def closure(overrides):
 
 def test_default_checks_every_flag_alone_then_tuned():
     checks = {c.name: c for c in C.default_checks(BASE, TUNED, closure)}
-    assert list(checks)[:len(C.REGISTRY)] == list(C.REGISTRY)
+    assert list(checks)[:len(C.FLAGS)] == list(C.FLAGS)
     router = checks["moe_router_grad_from_wo_input"]
     assert router.candidate_overrides == {"moe_router_grad_from_wo_input": True, "moe_wo_gmm_fused_dswiglu": True,
                                           "wo_tile_dlhs_mlp_dim": 128}
@@ -77,7 +86,7 @@ def test_default_checks_every_flag_alone_then_tuned():
     assert tuned.contract == "rounding" and list(checks)[-1] == "tuned"
     assert tuned.candidate_overrides["wi_tile_fwd_embed_dim"] == 256
     assert all(tuned.candidate_overrides[k] == (v if k not in TUNED else TUNED[k])
-               for k, v in {k: C.REGISTRY[k].on_value for k in C.REGISTRY}.items())
+               for k, v in {k: C.FLAGS[k].on for k in C.FLAGS}.items())
 
 
 def test_grouped_tiles_and_skipped_unchanged_keys():
@@ -99,15 +108,59 @@ def test_build_check_refuses_a_non_tuning_key():
 
 def test_real_tiny_config_checks():
     """The checks the default gates run builds on the real tiny config (model.config; no model is run)."""
-    mconfig = pytest.importorskip("nxgates.model.config")
-    import dataclasses
-
-    cfg = mconfig.load_config("tiny")
+    cfg = load_config("tiny")
     base = dataclasses.asdict(cfg.control)
-    checks = {c.name: c for c in C.default_checks(base, mconfig.tuning_flags(cfg),
-                                                  lambda o: mconfig.with_prerequisites(cfg, o))}
-    assert set(C.REGISTRY) <= set(checks) and list(checks)[-1] == "tuned"
+    checks = {c.name: c for c in C.default_checks(base, tuning_flags(cfg), lambda o: with_prerequisites(cfg, o))}
+    assert set(C.FLAGS) <= set(checks) and list(checks)[-1] == "tuned"
     router = checks["moe_router_grad_from_wo_input"].candidate_overrides
     assert router["moe_wo_gmm_fused_dswiglu"] is True and router["wo_tile_dlhs_mlp_dim"] == cfg.moe_mlp_dim
     for c in checks.values():  # every candidate is a valid combination
-        mconfig.validate(cfg, mconfig.parse_flags(c.candidate_overrides, base=cfg.control))
+        validate(cfg, parse_flags(c.candidate_overrides, base=cfg.control))
+
+
+@pytest.mark.parametrize("name", available_configs())
+def test_every_tuned_key_reaches_a_check_and_list_flags(name, capsys):
+    """A flag in a config's [tuned] that no check covered (or list-flags omitted) would pass the gates unchecked."""
+    cfg = load_config(name)
+    base = dataclasses.asdict(cfg.control)
+    tuned = tuning_flags(cfg)
+    assert tuned, f"config {name!r} tunes nothing"
+    checks = C.default_checks(base, tuned, lambda o: with_prerequisites(cfg, o))
+    alone = {k for c in checks if c.name != "tuned" for k in c.keys}
+    combo = next(c for c in checks if c.name == "tuned").candidate_overrides
+    assert cli.main(["list-flags", "--config", name, "--json"]) == 0
+    listed = {r["flag"]: r for r in json.loads(capsys.readouterr().out)}
+    for key, value in tuned.items():
+        assert key in alone, f"{name}: [tuned] {key} is checked by no check of its own"
+        assert combo[key] == value, f"{name}: [tuned] {key} is missing from the tuned combination"
+        assert listed[key]["tuned"] == value and listed[key]["contract"] == C.contract_of(key), listed.get(key)
+
+
+def test_a_tuning_flag_without_a_contract_is_refused_at_import(tmp_path, monkeypatch):
+    """Declaring a tuning flag without its contract fails the import of the module that declares it."""
+    (tmp_path / "flags_without_contract.py").write_text(
+        "import dataclasses\n"
+        "from nxgates.model.flags import tuning\n"
+        "@dataclasses.dataclass(frozen=True)\n"
+        "class MyFlags:\n"
+        "    my_new_fusion: bool = tuning(False, doc='a fused kernel', op='moe_mlp', on=True)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(FlagDeclarationError, match=r"contract=None must be one of \('exact', 'rounding'\)"):
+        importlib.import_module("flags_without_contract")
+    with pytest.raises(FlagDeclarationError, match=r"op='nowhere'"):
+        tuning(False, contract="exact", doc="x", op="nowhere")
+    with pytest.raises(FlagDeclarationError, match=r"contract='bitwise'"):
+        tuning(False, contract="bitwise", doc="x", op="moe_mlp")
+
+
+def test_declared_rules_and_the_rules_agree():
+    """A flag naming a rule that does not exist, or a rule triggered by a flag that does not name it, is refused."""
+    rules_lib.check_declarations()  # the real tables agree
+    bad_flag = {"gdn_cp_m_scan": dataclasses.replace(TUNING["gdn_cp_m_scan"], rules=("no_such_rule",))}
+    with pytest.raises(TypeError, match=r"'gdn_cp_m_scan' declares rules \['no_such_rule'\]"):
+        rules_lib.check_declarations(bad_flag, {})
+    forgotten = {**TUNING, "gdn_cp_m_scan": dataclasses.replace(TUNING["gdn_cp_m_scan"], rules=())}
+    with pytest.raises(TypeError, match=r"rule 'gdn_cp_m_scan_needs_seq_mode' is triggered by tuning flag "
+                                        r"'gdn_cp_m_scan' but its declaration"):
+        rules_lib.check_declarations(forgotten)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from nxgates.gates import gates as G
+from nxgates.gates import tolerances as T
 from tests.gates.toy_model import synthetic_record
 
-TOLS = G.Tolerances(tol={"N1": 0.0, "N2": 1e-3, "N3": 2e-3, "N4": 1e-2, "N5": 2e-2, "N6": 5e-2},
+TOLS = T.Tolerances(tol={"N1": 0.0, "N2": 1e-3, "N3": 2e-3, "N4": 1e-2, "N5": 2e-2, "N6": 5e-2},
                     slack={g: 0.25 for g in G.GATES},
                     golden_rel=0.0, reasons={}, sources={}, path="test")
 
@@ -212,7 +213,7 @@ def test_records_that_do_not_line_up_are_refused(trio):
 
 # ------------------------------------------------------------------------------------------------------ tolerances
 def test_repository_table_loads_with_reason_and_source():
-    t = G.load_tolerances()
+    t = T.load_tolerances()
     assert t.tol["N3"] == 2e-3
     assert set(t.tol) == set(G.GATES)
     assert all(t.reasons[k] and t.sources[k] for k in (*G.GATES, "golden"))
@@ -221,19 +222,19 @@ def test_repository_table_loads_with_reason_and_source():
 
 def test_slack_is_per_gate_and_read_from_the_table(tmp_path: pathlib.Path, trio):
     """Each gate's reference bound uses that gate's own slack: a table with N4's slack changed moves N4's bound only."""
-    good = G.DEFAULT_TOLERANCES.read_text()
-    base = G.load_tolerances()
+    good = T.DEFAULT_TOLERANCES.read_text()
+    base = T.load_tolerances()
     head, rest = good.split("[gates.N4]", 1)
     n4, tail = rest.split("[gates.N5]", 1)
     n4 = "\n".join("slack = 0.73" if line.startswith("slack =") else line for line in n4.split("\n"))
     p = tmp_path / "t.toml"
     p.write_text(head + "[gates.N4]" + n4 + "[gates.N5]" + tail)
-    t = G.load_tolerances(p)
+    t = T.load_tolerances(p)
     assert t.slack["N4"] == 0.73 and base.slack["N4"] != 0.73
     assert all(t.slack[g] == base.slack[g] for g in G.GATES if g != "N4")
     control, reference = trio
     cand = noisy(control, 1e-3, seed=7)
-    tol_big = G.Tolerances(tol={g: 0.0 for g in G.GATES}, slack=dict(t.slack), golden_rel=0.0, reasons={},
+    tol_big = T.Tolerances(tol={g: 0.0 for g in G.GATES}, slack=dict(t.slack), golden_rel=0.0, reasons={},
                            sources={}, path="t")
     results, _ = G.evaluate(cand, control, reference, "rounding", tol_big)
     for r in results:
@@ -246,14 +247,14 @@ def test_per_step_rel_bounds_each_step_by_its_own_value(tmp_path: pathlib.Path, 
     control, reference = trio
     cand = noisy(control, 1e-3, seed=11)
     per_step = (1.0, 0.0, 1.0)  # step 2 demands bit-identity on every gate, the others allow anything
-    t = G.Tolerances(tol={g: per_step for g in G.GATES}, slack={g: 0.0 for g in G.GATES}, golden_rel=0.0,
+    t = T.Tolerances(tol={g: per_step for g in G.GATES}, slack={g: 0.0 for g in G.GATES}, golden_rel=0.0,
                      reasons={}, sources={}, path="t")
     results, _ = G.evaluate(cand, control, reference, "rounding", t)
     assert {r.step for r in results if not r.passed_control} == {2}
     assert all(r.bound_control == per_step[r.step - 1] for r in results)
     with pytest.raises(ValueError, match=r"\[gates.N2\] rel has 3 per-step values, no value for step 4"):
         t.tol_at("N2", 4)
-    good = G.DEFAULT_TOLERANCES.read_text()
+    good = T.DEFAULT_TOLERANCES.read_text()
     head, rest = good.split("[gates.N4]", 1)
     n4, tail = rest.split("[gates.N5]", 1)
     for bad, msg in (("rel = []", r"rel=\[\] needs one number per step"), ("rel = [0.1, -1.0]", r"rel\[1\]=-1.0")):
@@ -261,33 +262,33 @@ def test_per_step_rel_bounds_each_step_by_its_own_value(tmp_path: pathlib.Path, 
         p = tmp_path / "t.toml"
         p.write_text(head + "[gates.N4]" + body + "[gates.N5]" + tail)
         with pytest.raises(ValueError, match=msg):
-            G.load_tolerances(p)
+            T.load_tolerances(p)
 
 
 def test_missing_or_global_slack_is_refused(tmp_path: pathlib.Path):
-    good = G.DEFAULT_TOLERANCES.read_text()
+    good = T.DEFAULT_TOLERANCES.read_text()
     p = tmp_path / "t.toml"
     head, rest = good.split("[gates.N5]", 1)
     n5, tail = rest.split("[gates.N6]", 1)
     p.write_text(head + "[gates.N5]" + n5.replace("\nslack =", "\nslackx =", 1) + "[gates.N6]" + tail)
     with pytest.raises(ValueError, match=r"\[gates.N5\] needs 'slack'"):
-        G.load_tolerances(p)
+        T.load_tolerances(p)
     p.write_text(head + "[gates.N5]" + n5.replace("\nslack =", "\nslack = -0.1 #", 1) + "[gates.N6]" + tail)
     with pytest.raises(ValueError, match=r"\[gates.N5\] slack=-0.1 must be a finite number >= 0"):
-        G.load_tolerances(p)
+        T.load_tolerances(p)
     p.write_text(good + '\n[gates.slack]\nslack = 0.6\nreason = "x"\nsource = "y"\n')
     with pytest.raises(ValueError, match=r"\[gates.slack\] .* is not read: the slack is per gate"):
-        G.load_tolerances(p)
+        T.load_tolerances(p)
 
 
 def test_table_entries_missing_fields_are_refused(tmp_path: pathlib.Path):
-    good = G.DEFAULT_TOLERANCES.read_text()
+    good = T.DEFAULT_TOLERANCES.read_text()
     p = tmp_path / "t.toml"
     p.write_text(good.replace('[gates.N4]\nrel = ', '[gates.N4]\nrelx = '))
     with pytest.raises(ValueError, match=r"\[gates.N4\] needs 'rel'"):
-        G.load_tolerances(p)
+        T.load_tolerances(p)
     p.write_text(good.replace("[gates.N2]", "[gates.N2x]"))
     with pytest.raises(ValueError, match=r"\[gates.N2\] missing"):
-        G.load_tolerances(p)
+        T.load_tolerances(p)
     with pytest.raises(ValueError, match="path='/nonexistent.toml'"):
-        G.load_tolerances("/nonexistent.toml")
+        T.load_tolerances("/nonexistent.toml")

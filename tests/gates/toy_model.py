@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nxgates.gates.runner import ModelAPI
+from nxgates.gates.model_api import ModelAPI
 
 HI = jax.lax.Precision.HIGHEST
 
@@ -59,7 +59,6 @@ class ToyConfig:
 CONFIGS = {"toy": ToyConfig()}
 _FIELDS = {f.name: f for f in dataclasses.fields(ToyFlags)}
 _OVERRIDES: dict[str, object] = {}
-_LAST: dict[str, str] = {}
 
 
 def load_config(name: str) -> ToyConfig:
@@ -126,18 +125,13 @@ def override(name: str, fn):
         del _OVERRIDES[name]
 
 
-def implementations() -> dict:
-    return dict(_LAST)
-
-
 def build_log_probs(cfg: ToyConfig, flags: ToyFlags, *, precision: str, mesh=None):
     ref = precision == "reference"
     dt = jnp.float32 if ref else jnp.bfloat16
     prec = HI if ref else None
     act = _OVERRIDES.get("activation", jax.nn.silu)
-    _LAST.clear()
-    _LAST["activation"] = f"override:{act.__name__}" if "activation" in _OVERRIDES else "silu"
-    _LAST["mlp"] = "fused" if flags.moe_wi_gmm_fused_swiglu else "unfused"
+    chosen = {"activation": f"override:{act.__name__}" if "activation" in _OVERRIDES else "silu",
+              "mlp": "fused" if flags.moe_wi_gmm_fused_swiglu else "unfused"}
 
     def mm(a, b):
         return jnp.matmul(a.astype(dt), b.astype(dt), precision=prec, preferred_element_type=jnp.float32)
@@ -193,6 +187,7 @@ def build_log_probs(cfg: ToyConfig, flags: ToyFlags, *, precision: str, mesh=Non
         logp = jnp.take_along_axis(logp_all[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]  # [B, S-1]
         return logp, {"dropped_tokens": jnp.int32(flags.drop_tokens)}
 
+    fn.implementations = lambda: dict(chosen)  # like model.transformer's: what this build dispatched
     return fn
 
 
@@ -208,7 +203,7 @@ def api() -> ModelAPI:
         init_params=init_params,
         build_log_probs=build_log_probs,
         make_mesh=lambda flags: None,
-        implementations=implementations,
+        implementations=lambda fn: fn.implementations(),
         base_flags=lambda cfg: cfg.control,
         tuned=lambda cfg: dict(cfg.tuned),
         dims=lambda cfg: (cfg.batch_size, cfg.seq_len, cfg.vocab_size),
@@ -216,7 +211,6 @@ def api() -> ModelAPI:
         config_error=ToyConfigError,
         config_files=lambda name: [pathlib.Path(__file__)],
         source_dirs=(),
-        list_configs=lambda: sorted(CONFIGS),
         override=override,
     )
 

@@ -7,20 +7,13 @@ import dataclasses
 
 import pytest
 
-from nxgates.model.config import (
-    CONTROL_KEYS,
+from nxgates.model.config import ModelConfig, load_config, tuning_flags
+from nxgates.model.flags import CONTROL_KEYS, TUNING_FLAGS, ConfigError, Flags, format_setting, parse_flags
+from nxgates.model.rules import (
     RULES,
-    TUNING_FLAGS,
-    ConfigError,
-    Flags,
-    ModelConfig,
     flags_alone,
     flags_for,
-    format_setting,
-    load_config,
-    parse_flags,
     tuned_flags,
-    tuning_flags,
     validate,
     violations,
     with_prerequisites,

@@ -15,7 +15,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from nxgates.model import config, layers, moe
+from nxgates.model import flags as flags_lib
+from nxgates.model import layers, moe
 
 DIMS = layers.Dims(vocab=32, d_model=32, num_layers=4, num_experts=4, top_k=2, moe_mlp=8, shared_mlp=8,
                    gdn_key_heads=2, gdn_value_heads=4, gdn_key_dim=8, gdn_value_dim=8, gdn_conv=4, gdn_chunk=8,
@@ -43,7 +44,8 @@ def _params(shapes: dict, case: str) -> dict:
 
 
 def _ctx(mesh_shape, load_balance: bool) -> layers.Ctx:
-    flags = config.parse_flags({"fp8_moe_fake_quant": False, "context_parallel_attention_load_balance": load_balance})
+    flags = flags_lib.parse_flags({"fp8_moe_fake_quant": False,
+                                   "context_parallel_attention_load_balance": load_balance})
     f, c, e = mesh_shape
     return layers.Ctx(dims=DIMS, flags=flags, precision="reference", fsdp=f, context=c, expert=e, seq_len=S,
                       load_balance=load_balance and c > 1, interpret=True)

@@ -25,20 +25,21 @@ def _bf16_rounded(x: np.ndarray) -> np.ndarray:
     return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
 
 
-def test_dispatch_records_impl_and_options():
-    ops.reset()
-    ops.dispatch("attention", "xla")
-    ops.dispatch("lb_ids", "zigzag", hoisted=True)
-    assert ops.implementations() == {"attention": "xla", "lb_ids": "zigzag(hoisted=True)"}
-    ops.reset()
-    assert ops.implementations() == {}
+def test_dispatch_records_impl_and_options_in_the_callers_record():
+    record, other = {}, {}
+    ops.dispatch("attention", "xla", record=record)
+    ops.dispatch("lb_ids", "zigzag", record=record, hoisted=True)
+    ops.dispatch("attention", "reference", record=other)
+    assert record == {"attention": "xla", "lb_ids": "zigzag(hoisted=True)"}
+    assert other == {"attention": "reference"}  # each caller's own record: no module-wide state
+    assert not hasattr(ops, "implementations") and not hasattr(ops, "reset")
 
 
 def test_dispatch_refuses_unknown_names():
     with pytest.raises(ValueError, match="name='nope'"):
-        ops.dispatch("nope", "reference")
+        ops.dispatch("nope", "reference", record=None)
     with pytest.raises(ValueError, match="impl='nope'"):
-        ops.dispatch("attention", "nope")
+        ops.dispatch("attention", "nope", record=None)
     with pytest.raises(ValueError, match="name='nope'"):
         with ops.override("nope", lambda: None):
             pass
@@ -48,27 +49,27 @@ def test_override_replaces_op_inside_jit_and_is_recorded():
     def wrong_amax(w, axes, axis_name):
         return jnp.full_like(jnp.max(jnp.abs(w), axis=axes, keepdims=True), 448.0)
 
+    record = {}
+
     def model(w):
-        return ops.dispatch("fp8_amax", "absmax", hoisted=False)(w, (0,), None)
+        return ops.dispatch("fp8_amax", "absmax", record=record, hoisted=False)(w, (0,), None)
 
     w = jnp.asarray([[1.0, -3.0], [2.0, 0.5]], jnp.float32)
-    ops.reset()
     with ops.override("fp8_amax", wrong_amax):
         inside = jax.jit(model)(w)
-        assert ops.implementations()["fp8_amax"] == "override:wrong_amax"
-    ops.reset()
+        assert record["fp8_amax"] == "override:wrong_amax"
     outside = jax.jit(lambda w: model(w) + 0.0)(w)  # a new trace after the block: the real op again
     np.testing.assert_array_equal(np.asarray(inside), [[448.0, 448.0]])
     np.testing.assert_array_equal(np.asarray(outside), [[2.0, 3.0]])
-    assert ops.implementations()["fp8_amax"] == "absmax(hoisted=False)"
+    assert record["fp8_amax"] == "absmax(hoisted=False)"
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_fp8_fake_quant_matches_reference_and_is_straight_through(dtype):
     case = f"E3-K40-N24-{jnp.dtype(dtype).name}"
     w = jnp.asarray(_bf16_rounded(_rng(case).standard_normal((3, 40, 24)) * 0.05), dtype)
-    amax = ops.dispatch("fp8_amax", "absmax", hoisted=False)(w, (1,), None)
-    fq = ops.dispatch("fp8_fake_quant", "reference")
+    amax = ops.dispatch("fp8_amax", "absmax", record=None, hoisted=False)(w, (1,), None)
+    fq = ops.dispatch("fp8_fake_quant", "reference", record=None)
     w_hat = fq(w, amax)
     expected = reference.fp8_fake_quant(w.astype(jnp.float32), axes=(1,))
     assert w_hat.dtype == dtype
@@ -87,7 +88,7 @@ def test_fp8_amax_is_global_over_the_axis():
     w = jnp.asarray(_rng("E2-K8-N4").standard_normal((2, 8, 4)), jnp.float32)
     w = w.at[0, 7, 1].set(9.0)  # the largest value lives in the second K shard
     mesh = Mesh(np.asarray(jax.devices()[:2]), ("fsdp",))
-    amax_fn = ops.dispatch("fp8_amax", "absmax", hoisted=True)
+    amax_fn = ops.dispatch("fp8_amax", "absmax", record=None, hoisted=True)
 
     def local(w_local):
         return amax_fn(w_local, (1,), "fsdp")
@@ -99,7 +100,7 @@ def test_fp8_amax_is_global_over_the_axis():
 
 @pytest.mark.parametrize("seq_len,context", [(16, 2), (24, 3)], ids=["S16-C2", "S24-C3"])
 def test_lb_ids_zigzag(seq_len, context):
-    lb_ids = ops.dispatch("lb_ids", "zigzag", hoisted=False)
+    lb_ids = ops.dispatch("lb_ids", "zigzag", record=None, hoisted=False)
     half = seq_len // (2 * context)
     seen = []
     for rank in range(context):
@@ -136,7 +137,7 @@ def test_attention_matches_loop(impl, tol):
     kv_pos = np.asarray([0, 1, 2, 9, 10, 11, 3, 4, 5, 6, 7, 8], np.int32)  # a permuted (zigzag-like) kv order
     q_pos = kv_pos[3:9]
     dtype = jnp.float32 if impl == "reference" else jnp.bfloat16
-    fn = ops.dispatch("attention", impl)
+    fn = ops.dispatch("attention", impl, record=None)
     seg_q, seg_kv = np.zeros(6, np.int32), np.zeros(12, np.int32)
     got = fn(*(jnp.asarray(x, dtype) for x in (q, k, v)), (jnp.asarray(q_pos), jnp.asarray(kv_pos)),
              (jnp.asarray(seg_q), jnp.asarray(seg_kv)))
@@ -157,7 +158,7 @@ def _moe_inputs():
 
 def test_moe_mlp_reference_matches_group_loop():
     x, wi, wo, gs, rw = _moe_inputs()
-    got = ops.dispatch("moe_mlp", "reference")(*(jnp.asarray(a) for a in (x, wi, wo, gs, rw)))
+    got = ops.dispatch("moe_mlp", "reference", record=None)(*(jnp.asarray(a) for a in (x, wi, wo, gs, rw)))
     expected = np.zeros((12, 8))
     start = 0
     for g, n in enumerate(gs):
@@ -168,3 +169,11 @@ def test_moe_mlp_reference_matches_group_loop():
         start += n
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(got)[9:], 0.0)  # rows past sum(group_sizes)
+
+
+def test_the_ops_a_flag_declaration_may_name_are_the_dispatch_table():
+    """model.flags keeps the op names as data (it imports without jax); they must be this table's, plus "remat"."""
+    from nxgates.model import flags
+
+    assert set(flags.REACHABLE) == set(ops.OP_NAMES) | {"remat"}
+    assert {d.op for d in flags.TUNING.values()} <= set(flags.REACHABLE)

@@ -10,10 +10,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from nxgates.model import config, sharding, transformer
+from nxgates.model import flags as flags_lib
 
 
 def _flags(f, c, e):
-    return config.parse_flags({"ici_fsdp_parallelism": f, "ici_context_parallelism": c, "ici_expert_parallelism": e})
+    return flags_lib.parse_flags({"ici_fsdp_parallelism": f, "ici_context_parallelism": c, "ici_expert_parallelism": e})
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 1, 1), (2, 1, 4)], ids=["2x2x2", "1x1x1", "2x1x4"])

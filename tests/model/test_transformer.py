@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from nxgates.gates.diff import rel_l2
-from nxgates.model import config, ops, sharding, transformer
+from nxgates.model import config, ops, rules, sharding, transformer
+from nxgates.model import flags as flags_lib
 
 SMALL = dict(hidden_dim=64, seq_len=64, vocab_size=128, moe_mlp_dim=32, shared_expert_mlp_dim=32, gdn_key_dim=16,
              gdn_value_dim=16, gdn_chunk_size=16, attn_head_dim=16, num_layers=8)
@@ -54,7 +55,7 @@ class Run:
 def run(overrides: tuple = (), precision: str = "production") -> Run:
     """Compile and run ``value_and_grad(mean logp)`` once per (flags, precision); cached for the module's tests."""
     cfg = small_cfg()
-    flags = config.flags_for(cfg, dict(overrides))
+    flags = rules.flags_for(cfg, dict(overrides))
     mesh = sharding.make_mesh(flags)
     params, tokens = _inputs()
     log_probs = transformer.build_log_probs(cfg, flags, precision=precision, mesh=mesh)
@@ -64,7 +65,7 @@ def run(overrides: tuple = (), precision: str = "production") -> Run:
         return jnp.mean(logp), (logp, aux)
 
     lowered = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, tokens)
-    impls = ops.implementations()
+    impls = log_probs.implementations()
     compiled = lowered.compile()
     (_, (logp, aux)), grads = compiled(params, tokens)
     return Run(np.asarray(logp), jax.tree_util.tree_map(np.asarray, grads), int(aux["dropped_tokens"]),
@@ -181,7 +182,7 @@ def test_routing_replay_of_own_choice_is_bit_identical_and_of_another_changes_th
     log-probs and gradients, no mismatch), replay of a shifted routing (every token on other experts: the log-probs move
     and the mismatches are counted)."""
     cfg = small_cfg()
-    flags = config.flags_for(cfg)
+    flags = rules.flags_for(cfg)
     log_probs = transformer.build_log_probs(cfg, flags, precision="production", mesh=sharding.make_mesh(flags))
     params, tokens = _inputs()
     shape = log_probs.routing_shape
@@ -222,14 +223,19 @@ def test_routing_replay_of_own_choice_is_bit_identical_and_of_another_changes_th
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _trace(overrides: dict, precision: str = "production") -> dict:
-    """Trace (no compile) forward + backward; return the dispatch record."""
+def _trace_fn(overrides: dict, precision: str = "production"):
+    """Trace (no compile) forward + backward of a fresh build; return the built function."""
     cfg = small_cfg()
-    flags = config.flags_for(cfg, overrides)
+    flags = rules.flags_for(cfg, overrides)
     log_probs = transformer.build_log_probs(cfg, flags, precision=precision, mesh=sharding.make_mesh(flags))
     params, tokens = _inputs()
     jax.eval_shape(jax.grad(lambda p: jnp.mean(log_probs(p, tokens)[0])), params)
-    return ops.implementations()
+    return log_probs
+
+
+def _trace(overrides: dict, precision: str = "production") -> dict:
+    """Trace (no compile) forward + backward; return the dispatch record of that build."""
+    return _trace_fn(overrides, precision).implementations()
 
 
 @pytest.mark.timeout(900)
@@ -255,17 +261,19 @@ def test_implementations_record_the_kernels_the_flags_select():
 
 def test_override_is_used_by_the_model():
     calls = []
-    real_attention = ops.dispatch("attention", "xla")
+    real_attention = ops.dispatch("attention", "xla", record=None)
 
     def counting_attention(q, k, v, positions, segment_ids):
         calls.append(q.shape)
         return real_attention(q, k, v, positions, segment_ids)
 
     with ops.override("attention", counting_attention):
-        record = _trace({})
-    assert record["attention"] == "override:counting_attention"
+        overridden = _trace_fn({})
+    assert overridden.implementations()["attention"] == "override:counting_attention"
     assert calls and all(s == (1, 32, 4, 16) for s in calls)  # [B_local, S_local, Hq, Dh] on the 2x2x2 mesh
     assert _trace({})["attention"] == "xla"  # restored after the block
+    # each build keeps its own record: the later trace of another build did not touch this one's
+    assert overridden.implementations()["attention"] == "override:counting_attention"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -275,13 +283,13 @@ def test_override_is_used_by_the_model():
 
 def test_bad_arguments_are_refused_by_name():
     cfg = small_cfg()
-    flags = config.flags_for(cfg)
+    flags = rules.flags_for(cfg)
     mesh = sharding.make_mesh(flags)
     with pytest.raises(ValueError, match="precision='fp16'"):
         transformer.build_log_probs(cfg, flags, precision="fp16", mesh=mesh)
     with pytest.raises(ValueError, match="ici_fsdp_parallelism=2 but the mesh's fsdp axis has 1"):
         transformer.build_log_probs(cfg, flags, precision="production",
-                                    mesh=sharding.make_mesh(config.parse_flags(dict(SINGLE))))
+                                    mesh=sharding.make_mesh(flags_lib.parse_flags(dict(SINGLE))))
     log_probs = transformer.build_log_probs(cfg, flags, precision="production", mesh=mesh)
     params, tokens = _inputs()
     with pytest.raises(ValueError, match=r"tokens.shape=\(4, 32\)"):

@@ -1,6 +1,6 @@
 """reference.fp8_* against an oracle written here with NumPy and ml_dtypes' own float8_e4m3fn cast.
 
-The convention (DESIGN.md): ``scale = amax / 448`` (IEEE float32 division) over the reduction axes, kept as size-1
+The convention (docs/design.md): ``scale = amax / 448`` (IEEE float32 division) over the reduction axes, kept as size-1
 dims; ``scale = 1`` when amax is 0 or non-finite; ``codes = clip(w / scale, -448, 448)`` (IEEE division) cast to
 float8_e4m3fn, round to nearest even. The oracle does that arithmetic in NumPy float32 and the cast with ml_dtypes;
 codes and scales are compared bit for bit (uint8 view). Inputs are seeded from the case id and rounded through bfloat16.
