@@ -24,7 +24,7 @@ import platform
 
 from tabulate import tabulate
 
-PHASES = ("trace_s", "lower_s", "compile_s", "execute_s")
+PHASES = ("trace_s", "lower_s", "compile_s", "execute_s", "summaries_s")
 
 
 def host_id() -> str:
@@ -94,6 +94,7 @@ def row(label: str, how: str, metadata: dict, wall_s: float, cpu_s: float | None
     for k in ("trace_s", "lower_s", "compile_s"):
         out[k] = ph.get(k)
     out["execute_s"] = round(sum(execute), 3) if execute else None
+    out["summaries_s"] = ph.get("summaries_s")
     out["steps_s"] = execute
     out["stablehlo_kb"] = round(ph.get("stablehlo_bytes", 0) / 1024) if ph else None
     return out
@@ -118,5 +119,6 @@ def table(rows: list[dict]) -> str:
     body.append(["total", f"{len(computed)} computed / {len(rows)}", *[f"{t:.1f}" for t in totals],
                  sum(r["stablehlo_kb"] or 0 for r in computed), f"{sum(r['wall_s'] for r in rows):.1f}",
                  f"{sum(r.get('cpu_s') or 0.0 for r in rows):.1f}"])
-    headers = ("record", "how", "trace s", "lower s", "compile s", "execute s", "StableHLO KiB", "wall s", "cpu s")
+    headers = ("record", "how", "trace s", "lower s", "compile s", "execute s", "summaries s", "StableHLO KiB",
+               "wall s", "cpu s")
     return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)

@@ -38,6 +38,8 @@ import numpy as np
 import optax
 
 from nxgates.gates import record as record_lib
+from nxgates.gates import recorder as recorder_lib
+from nxgates.gates.sketch import SketchSpec
 
 # The ratio's log is clipped to [-20, 20] before exp, as the trainer does, so a wild log-prob cannot overflow.
 LOG_RATIO_CLIP = 20.0
@@ -82,6 +84,16 @@ class ProtocolSettings:
 DEFAULT_SETTINGS = ProtocolSettings()
 
 
+def seed_for(case_id: str) -> int:
+    """A stable 31-bit seed derived from a case id (``zlib.crc32``), e.g. ``seed_for("tiny/batch")``."""
+    return zlib.crc32(case_id.encode()) & 0x7FFFFFFF
+
+
+# The records' sketches (docs/records.md: the width from the measured error table); one seed for every run, so that
+# any two records of this protocol are comparable.
+DEFAULT_SKETCH = SketchSpec(seed=seed_for("nxgates/sketch"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """The RL batch, the same every step.
@@ -98,11 +110,6 @@ class Batch:
     @property
     def num_completion_tokens(self) -> int:
         return int(self.completion_mask.sum())
-
-
-def seed_for(case_id: str) -> int:
-    """A stable 31-bit seed derived from a case id (``zlib.crc32``), e.g. ``seed_for("tiny/batch")``."""
-    return zlib.crc32(case_id.encode()) & 0x7FFFFFFF
 
 
 def make_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int) -> Batch:
@@ -185,6 +192,8 @@ def run_protocol(
     label: str = "run",
     replay: Sequence[np.ndarray] | None = None,
     lookup: Callable[[str], record_lib.RunRecord | None] | None = None,
+    sketch: SketchSpec | None = None,
+    recorder: recorder_lib.Recorder | None = None,
 ) -> record_lib.RunRecord:
     """Run ``settings.steps`` optimizer steps of the RL loss and record every step.
 
@@ -201,6 +210,12 @@ def run_protocol(
     its StableHLO text (no source locations: a docstring or comment edit leaves it unchanged); a record it returns is
     returned as is (the caller keys it with the inputs, ``gates.provenance.program_record_key``), else the run goes
     on. ``metadata["program_sha256"]`` keeps the digest.
+
+    Summaries (docs/records.md): after every step a third program computes, on the sharded device arrays, the
+    gradient and update sketches (``sketch``: width and seed, default ``DEFAULT_SKETCH``), the bit fingerprints and
+    the per-tensor gradient norms (``gates.recorder.summaries``), kept in ``StepRecord.summaries``; it reads the step's
+    outputs only, so the first two programs are the same with or without it. ``recorder``: also write each step to
+    that run directory as it ends (the record format; full tensors when the recorder has ``full_tensors``).
     """
     tokens = jnp.asarray(batch.tokens)
     mask = jnp.asarray(batch.completion_mask)
@@ -285,12 +300,20 @@ def run_protocol(
         if found is not None:
             return found
     programs["grad"] = _compile(lowered, phases)
+    sketch = DEFAULT_SKETCH if sketch is None else sketch
+    summarize = recorder_lib.jitted_summaries(sketch.width, sketch.seed)
+    ts = time.perf_counter()
+    summaries0 = _host(summarize(None, params))
+    phases["summaries_s"] = time.perf_counter() - ts
+    if recorder is not None:
+        recorder.step(0, summaries={**summaries0, **_full(recorder, None, params0)})
     steps = []
-    step_s = []
+    step_s, summary_s = [], []
     t0 = time.perf_counter()
     for i in range(settings.steps):
         ts = time.perf_counter()
         building = sum(phases[k] for k in ("trace_s", "lower_s", "compile_s"))
+        prev = params
         params, opt_state, loss, logp, grads, grad_norm, dropped, used, mismatch = step(params, opt_state, i)
         params = jax.device_put(params, layout)
         opt_state = jax.device_put(opt_state, opt_layout)
@@ -299,6 +322,11 @@ def run_protocol(
         # this step's execution: its wall time less the tracing, lowering and compiling done inside it (step 1)
         phases.setdefault("execute_s", []).append(
             step_s[-1] - (sum(phases[k] for k in ("trace_s", "lower_s", "compile_s")) - building))
+        ts = time.perf_counter()
+        summ = _host(summarize(grads, params, prev_params=prev))
+        summary_s.append(time.perf_counter() - ts)
+        phases["summaries_s"] += summary_s[-1]
+        del prev
         steps.append(
             record_lib.StepRecord(
                 loss=np.asarray(loss),
@@ -309,8 +337,14 @@ def run_protocol(
                 dropped_tokens=int(dropped),
                 routing=None if used is None else np.asarray(used, np.int32),
                 routing_mismatch=int(mismatch),
+                summaries=summ,
             )
         )
+        if recorder is not None:
+            s = steps[-1]
+            recorder.step(i + 1, loss=s.loss, grad_norm=s.grad_norm, log_probs=s.logp, mask=batch.completion_mask,
+                          routing=s.routing, routing_mismatch=s.routing_mismatch, dropped_tokens=s.dropped_tokens,
+                          summaries={**summ, **_full(recorder, s.grads, s.params)})
         if progress is not None:
             replayed = f" routing replayed ({int(mismatch)} own choices differ)" if replay is not None else ""
             progress(f"{label}: step {i + 1}/{settings.steps} loss={float(loss):.6g} "
@@ -321,13 +355,17 @@ def run_protocol(
     meta["program_sha256"] = program_sha256
     meta["wall_s"] = round(time.perf_counter() - t0, 3)
     meta["step_s"] = [round(t, 3) for t in step_s]
+    meta["summary_s"] = [round(t, 3) for t in summary_s]  # the summaries' program (first: with its compile)
+    meta["sketch"] = sketch.to_json()
     # The first step includes tracing + compilation; later steps reuse the executable.
     meta["compile_s_estimate"] = round(step_s[0] - (min(step_s[1:]) if len(step_s) > 1 else 0.0), 3)
-    # Per phase (``_compile``): seconds to trace, lower and compile both programs (compile: from the persistent
-    # compilation cache when it has them), the StableHLO size, and each step's execution.
+    # Per phase (``_lower``, ``_compile``): seconds to trace, lower and compile the model's and the optimizer's programs
+    # (compile: from the persistent compilation cache when it has them), their StableHLO size, each step's execution,
+    # and the summaries (their program compiled and run by jit, the results copied to the host).
     meta["phases"] = {k: (round(v, 3) if isinstance(v, float) else [round(t, 3) for t in v] if isinstance(v, list)
                           else v) for k, v in phases.items()}
-    return record_lib.RunRecord(params0=params0, steps=steps, mask=np.asarray(batch.completion_mask), metadata=meta)
+    return record_lib.RunRecord(params0=params0, steps=steps, mask=np.asarray(batch.completion_mask), metadata=meta,
+                                summaries0=summaries0)
 
 
 def _lower(fn, args, phases: dict):
@@ -353,3 +391,16 @@ def _compile(lowered, phases: dict):
     compiled = lowered.compile()
     phases["compile_s"] += time.perf_counter() - t
     return compiled
+
+
+def _host(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in jax.device_get(dict(tree)).items()}
+
+
+def _full(recorder, grads, params) -> dict[str, np.ndarray]:
+    """The full tensors as record fields when ``recorder`` keeps them (``grad/<path>``, ``param/<path>``)."""
+    if recorder is None or not recorder.full_tensors:
+        return {}
+    out = {f"param/{n}": a for n, a in (params or {}).items()}
+    out.update({f"grad/{n}": a for n, a in (grads or {}).items()})
+    return out

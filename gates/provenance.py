@@ -6,10 +6,11 @@ the routing it replays. Any change to one of them is a different record (a cache
 
 The sources' hash changes with any edit, a comment too; so the record itself is stored under ``program_record_key``,
 what determines it once the model's program is lowered: the sha256 of that program's StableHLO text (no source
-locations), the digests of its inputs (initial parameters, batch, replayed routing), the protocol settings, the
-protocol's own source (the optimizer's program, the host-side recording), ``XLA_FLAGS``, the environment, and the
-config, flags and precision it was asked for. ``record_key`` then only names the record (``gates.runner``: an alias),
-and an edit that changes no program finds the record after one lowering, without compiling or running anything.
+locations), the digests of its inputs (initial parameters, batch, replayed routing), the protocol settings and sketch,
+the protocol's own sources (the optimizer's program, the host-side recording, the summaries), ``XLA_FLAGS``, the
+environment, and the config, flags and precision it was asked for. ``record_key`` then only names the record
+(``gates.runner``: an alias), and an edit that changes no program finds the record after one lowering, without
+compiling or running anything.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import numpy as np
 
 from nxgates.gates.model_api import SOURCE_DIRS
 
-SOURCE_FILES = ("gates/protocol.py",)  # besides SOURCE_DIRS: the protocol computes every record too
+# Besides SOURCE_DIRS, the gates modules that compute every record (the protocol and the summaries it records).
+SOURCE_FILES = ("gates/protocol.py", "gates/sketch.py", "gates/recorder.py")
 
 
 def routing_digest(replay) -> str:
@@ -81,8 +83,9 @@ def environment() -> dict:
 
 def record_key(*, config: str, config_values: Mapping[str, Any], flags: Mapping[str, Any], precision: str,
                settings: Mapping[str, Any], seeds: Mapping[str, int], env: Mapping[str, Any], source_sha256: str,
-               replay=None) -> dict:
-    """The parts that determine a run record (``gates.record.key_digest`` hashes them)."""
+               replay=None, sketch: Mapping[str, Any] | None = None) -> dict:
+    """The parts that determine a run record (``gates.record.key_digest`` hashes them); ``sketch``: the record's
+    sketch spec (its width and seed decide the summaries)."""
     parts = {
         "kind": "run-record",
         "config": config,
@@ -93,6 +96,7 @@ def record_key(*, config: str, config_values: Mapping[str, Any], flags: Mapping[
         "seeds": seeds,
         "env": env,
         "source_sha256": source_sha256,
+        "sketch": dict(sketch) if sketch is not None else None,
     }
     if replay is not None:  # a replaying run depends on the routing it replays
         parts["routing_replay_sha256"] = routing_digest(replay)
@@ -110,14 +114,15 @@ def arrays_digest(arrays: Mapping[str, np.ndarray]) -> str:
 
 
 def protocol_source_hash() -> str:
-    """sha256 of ``gates/protocol.py`` (the optimizer's program and the host-side recording live there)."""
+    """sha256 of the protocol's sources (``SOURCE_FILES``: the optimizer's program, the host-side recording and the
+    summaries)."""
     return source_hash(dirs=(), files=SOURCE_FILES)
 
 
 def program_record_key(*, program_sha256: str, params0_sha256: str, batch_sha256: str, config: str,
                        config_values: Mapping[str, Any], flags: Mapping[str, Any], precision: str,
                        settings: Mapping[str, Any], env: Mapping[str, Any], implementations: Mapping[str, Any],
-                       replay=None) -> dict:
+                       replay=None, sketch: Mapping[str, Any] | None = None) -> dict:
     """The parts that determine a run record once its program is lowered (see the module's docstring)."""
     parts = {
         "kind": "run-record-by-program",
@@ -133,6 +138,7 @@ def program_record_key(*, program_sha256: str, params0_sha256: str, batch_sha256
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "protocol_sha256": protocol_source_hash(),
         "implementations": dict(implementations),
+        "sketch": dict(sketch) if sketch is not None else None,
     }
     if replay is not None:
         parts["routing_replay_sha256"] = routing_digest(replay)

@@ -6,6 +6,7 @@ Run: python -m pytest tests/gates/test_profile.py -q
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import jax
@@ -55,9 +56,13 @@ def _run():
     return P.run_protocol(_model(vocab), params, batch)
 
 
+def _flat(rec: record_lib.RunRecord) -> dict[str, np.ndarray]:
+    return {f"{i}/{k}": v for i, arrays in record_lib.step_arrays(rec).items() for k, v in arrays.items()}
+
+
 def assert_same_bits(a: record_lib.RunRecord, b: record_lib.RunRecord) -> None:
     """Every array of two records has the same dtype, shape and bytes."""
-    xa, xb = a.to_arrays(), b.to_arrays()
+    xa, xb = _flat(a), _flat(b)
     assert sorted(xa) == sorted(xb)
     for k in xa:
         assert xa[k].dtype == xb[k].dtype and xa[k].shape == xb[k].shape, k
@@ -114,12 +119,9 @@ def test_a_cache_hit_gives_the_same_bits(fresh_compile_cache, compile_events):
     assert_same_bits(first, second)
     assert first.metadata["phases"]["compile_s"] > 0 and second.metadata["phases"]["stablehlo_bytes"] > 0
     # the comparison is not vacuous: one flipped bit of one gradient fails it
-    arrays = second.to_arrays()
-    name = next(k for k in arrays if "/grads/" in k)
-    flipped = arrays[name].copy()
-    flipped.view(np.uint32).flat[0] ^= 1
-    other = record_lib.RunRecord.from_arrays({**arrays, name: flipped},
-                                             {**second.metadata, "num_steps": second.num_steps})
+    other = copy.deepcopy(second)
+    name = sorted(other.steps[0].grads)[0]
+    other.steps[0].grads[name].view(np.uint32).flat[0] ^= 1
     with pytest.raises(AssertionError, match="differs"):
         assert_same_bits(first, other)
 
@@ -136,14 +138,14 @@ def test_the_cache_folder_names_the_host_cpu(tmp_path, monkeypatch):
 def test_profile_rows_and_totals():
     """A computed record's phases count in the totals; a cached one's are shown in brackets and do not."""
     meta = {"phases": {"trace_s": 1.0, "lower_s": 2.0, "compile_s": 30.0, "stablehlo_bytes": 4096,
-                       "execute_s": [5.0, 1.0, 1.0]}}
+                       "execute_s": [5.0, 1.0, 1.0], "summaries_s": 0.5}}
     rows = [profile.row("control", "computed", meta, 40.0, 45.0),
             profile.row("reference", "cached", meta, 0.5, 0.4)]
     assert rows[0]["execute_s"] == 7.0 and rows[0]["stablehlo_kb"] == 4 and rows[1]["computed"] is False
     text = profile.table(rows)
     total = text.splitlines()[-1].split()
     assert total[:3] == ["total", "1", "computed"]
-    assert total[5:10] == ["1.0", "2.0", "30.0", "7.0", "4"]  # the cached row's phases are not added
+    assert total[5:11] == ["1.0", "2.0", "30.0", "7.0", "0.5", "4"]  # the cached row's phases are not added
     assert "(30.0)" in text
 
 
