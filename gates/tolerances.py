@@ -1,7 +1,7 @@
 """The one reader of ``fixtures/tolerances.toml``: the gates' ``[gates.*]`` and the kernels' ``[kernels."<key>"]``.
 
 - ``load_tolerances(path)`` -> ``Tolerances``: ``[gates.N1]`` .. ``[gates.N6]`` (each: rel, slack, reason, source) and
-  ``[gates.golden]`` (rel, reason, source), for the six gates and the golden comparison.
+  ``[gates.golden]`` (rel, cross_env_rel, reason, source), for the six gates and the golden comparison.
 - ``load_kernel_tolerances(path)`` -> ``{key: KernelTolerance}``: every ``[kernels."<key>"]`` entry (rel_l2, reason,
   source), for the per-kernel report; ``kernel_tolerance(key, path)`` -> one entry (``KeyError`` naming the key).
 
@@ -27,9 +27,13 @@ def read_table(path: str | pathlib.Path = DEFAULT_TOLERANCES) -> dict:
     """The parsed TOML of the tolerance table; ``ValueError`` naming the path if it is missing or not TOML."""
     path = pathlib.Path(path)
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ValueError(f"tolerances: path={str(path)!r} does not exist") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"tolerances: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except OSError as e:
+        raise ValueError(f"tolerances: path={str(path)!r} cannot be read ({e.strerror or e})") from e
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"tolerances: {path} is not valid TOML ({e})") from e
 
@@ -53,6 +57,8 @@ class Tolerances:
     reasons: Mapping[str, str]
     sources: Mapping[str, str]
     path: str
+    # the golden compared outside its environment key (another CPU target or versions): rel per step, loss and grad norm
+    golden_cross_env_rel: float | None = None
 
     def tol_at(self, gate: str, step: int) -> float:
         """The tolerance of ``gate`` at ``step`` (1-based); a per-step table must cover the step."""
@@ -82,7 +88,7 @@ def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES) -> Tolerances
         entry = section.get(key)
         if not isinstance(entry, dict):
             raise ValueError(f"tolerances: [gates.{key}] missing in {path}")
-        fields = ("rel", "slack") if key in GATES else ("rel",)
+        fields = ("rel", "slack") if key in GATES else ("rel", "cross_env_rel")
         for field in (*fields, "reason", "source"):
             if field not in entry:
                 raise ValueError(f"tolerances: [gates.{key}] needs {field!r} (got keys {sorted(entry)}) in {path}")
@@ -99,6 +105,7 @@ def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES) -> Tolerances
     return Tolerances(
         tol={g: tol[g] for g in GATES}, slack=slack, golden_rel=tol["golden"], reasons=reasons,
         sources=sources, path=str(path),
+        golden_cross_env_rel=_number("gates.golden", "cross_env_rel", section["golden"]["cross_env_rel"]),
     )
 
 
