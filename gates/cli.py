@@ -146,8 +146,9 @@ def parse_jobs(value: str) -> int:
     return jobs
 
 
-def main(argv: list[str] | None = None, *, api=None) -> int:
-    """The CLI; returns the exit code (0 pass, 1 a gate fails, 2 bad input, 130 interrupted)."""
+def main(argv: list[str] | None = None, *, api=None, api_factory: str | None = None) -> int:
+    """The CLI; returns the exit code (0 pass, 1 a gate fails, 2 bad input, 130 interrupted). ``api``: another model's
+    ``ModelAPI`` (tests: the toy); ``api_factory``: "module:function" building it again in prefetch workers."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["run", *argv]
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return _main(argv, api)
+        return _main(argv, api, api_factory)
     except KeyboardInterrupt as e:  # outside a run's checks (those write their report first, in _run)
         print(f"interrupted ({'SIGTERM' if isinstance(e, _Terminated) else 'Ctrl-C'}): nothing was written",
               file=sys.stderr)
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _main(argv: list[str], api) -> int:
+def _main(argv: list[str], api, api_factory: str | None = None) -> int:
     if argv[0] == "kernels":
         rest = [a for a in argv[1:] if a != "--accelerator"]
         if any(a == "--impl" or a.startswith("--impl=") for a in rest):  # someone's kernel: gates.testing
@@ -193,7 +194,7 @@ def _main(argv: list[str], api) -> int:
     bad = (BadInput, api.config_error)
     try:
         if args.command == "run":
-            return _run(args, api, custom_api, argv)
+            return _run(args, api, custom_api, argv, api_factory)
         for name in ("out", "cache_dir"):  # every output location, before anything is computed
             if getattr(args, name, False) is not False:
                 ensure_writable(getattr(args, name) if name == "out" or args.cache_dir else default_cache_dir(),
@@ -216,7 +217,7 @@ def _main(argv: list[str], api) -> int:
     raise AssertionError(f"unhandled command {args.command!r}")
 
 
-def _run(args, api, custom_api: bool, argv: list[str]) -> int:
+def _run(args, api, custom_api: bool, argv: list[str], api_factory: str | None = None) -> int:
     from nxgates.gates import suite
 
     flags = parse_flag_items(args.flags)
@@ -235,7 +236,7 @@ def _run(args, api, custom_api: bool, argv: list[str]) -> int:
                              cache_dir=args.cache_dir, use_cache=not args.no_cache, tolerances_path=args.tolerances,
                              golden_dir=args.golden_dir, progress=_progress,
                              on_check=lambda partial: partial.write(out), jobs=jobs, command=command,
-                             accelerator=args.accelerator)
+                             accelerator=args.accelerator, api_factory=api_factory)
     except suite.Interrupted as e:
         e.report.write(out)
         why = "SIGTERM" if isinstance(e.__context__, _Terminated) else "Ctrl-C"

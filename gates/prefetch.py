@@ -67,15 +67,17 @@ def worker_pool(jobs: int) -> concurrent.futures.ProcessPoolExecutor:
 
 
 def stop_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    """Cancel what has not started and kill the workers now (an interrupted or failed run waits for no record)."""
-    pool.shutdown(wait=False, cancel_futures=True)
-    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+    """Kill the workers now and cancel what has not started (an interrupted or failed run waits for no record). The
+    processes are taken before ``shutdown``, which forgets them."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
         try:
             proc.kill()
         except (OSError, ValueError):
             pass
-    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+    for proc in procs:
         proc.join(timeout=5)
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def load_api_factory(spec: str):
@@ -119,8 +121,8 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
         control_flags, candidate_flags = runner.resolve(spec)
         if runner.api.as_dict(control_flags) != base:
             continue
-        jobs_list.append((runner.api.as_dict(candidate_flags), f"candidate[{spec.name}]", candidate_flags,
-                          "production"))
+        changed = {k: v for k, v in runner.api.as_dict(candidate_flags).items() if base.get(k) != v}
+        jobs_list.append((changed, f"candidate[{spec.name}]", candidate_flags, "production"))
     t = time.perf_counter()
     runner.progress(f"[{t - runner.t0:7.1f}s] prefetch: {len(jobs_list)} records in {jobs} worker processes")
     pool = worker_pool(jobs)

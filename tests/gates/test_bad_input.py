@@ -43,7 +43,7 @@ def files(tmp_path_factory):
     (d / "tol_broken.toml").write_text(tol.replace("[gates.N3]", "[gates.N3"))
     (d / "tol_no_n3.toml").write_text(tol.replace("[gates.N3]", "[gates.N3_retired]"))
     (d / "tol_negative.toml").write_text(tol.replace("[gates.N1]\nrel = 0.0", "[gates.N1]\nrel = -1.0"))
-    (d / "tol_no_cross.toml").write_text(tol.replace("cross_env_rel = 1e-3\n", ""))
+    (d / "tol_no_cross.toml").write_text(tol.replace("cross_env_rel = 5e-3\n", ""))
     (d / "a_file").write_text("not a folder\n")
     return d
 
