@@ -10,14 +10,20 @@ Every gate compares two run records at each step with a float64 metric (``gates.
 | N5 | max over parameter tensors of the tensor's gradient ``rel_l2`` (the worst tensor is named) |
 | N6 | ``rel_l2`` of the parameter change since step 0 |
 
-A gate passes at a step when
-- against the control: ``m(candidate, control) <= tol`` (``exact`` contract: the arrays it reads are bit-identical);
-  ``tol`` is the gate's ``rel``, one number or one per step;
-- against the reference pair: ``m(candidate, reference) <= max(tol, (1 + slack) * m(control, reference))``, with
-  ``tol`` and ``slack`` both the gate's own (``[gates.N4] rel``, ``[gates.N4] slack``).
+Bounds that travel: both bounds of a ``rounding`` gate come from this run's own live control-to-reference distance
+``c = m(control, reference)`` at that step, not from a constant measured on another machine. A gate passes at a step
+when
+- against the control: ``m(candidate, control) <= max(floor, c)`` (a flag that changes the numbers "by bf16
+  rounding" must move them less than the whole bf16 path's own error does); ``exact`` contract: the arrays it reads
+  are bit-identical instead;
+- against the reference pair: ``m(candidate, reference) <= max(floor, (1 + slack) * c)``,
+with ``floor`` and ``slack`` the gate's own (``[gates.N4] floor``, ``[gates.N4] slack``). ``[gates.N4] live_range`` is
+the calibrated range of ``c``: a live ``c`` outside it is reported (``GateResult.environment``, with the numbers) as an
+environment change (another CPU, another XLA), not a failure by itself.
 Preconditions (every value finite in all three records, no dropped token) fail every gate when violated.
-Tolerances come from ``fixtures/tolerances.toml`` ``[gates.*]`` (each gate: rel, slack, reason, source; calibrated by
-``python -m nxgates calibrate``), read by ``gates.tolerances.load_tolerances``; nothing relaxes them at run time.
+Tolerances come from ``fixtures/tolerances.toml`` ``[gates.*]`` (each gate: floor, slack, live_range, reason, source;
+calibrated by ``python -m nxgates calibrate``), read by ``gates.tolerances.load_tolerances``; the float32 lens reads
+``[lens.*]`` the same way; nothing relaxes them at run time.
 """
 
 from __future__ import annotations
@@ -63,6 +69,51 @@ def _finite_or_inf(x: float) -> float:
     return x if math.isfinite(x) else math.inf
 
 
+# The gate formulas, shared by the gates on run records (``metric``) and on sketched records (``gates.compare``).
+def rel_scalar(a: float, b: float) -> float:
+    """N1, N3: ``|a - b| / |b|`` (0 when both are 0, inf when only ``b`` is, or for a non-finite value)."""
+    if b == 0.0:
+        return 0.0 if a == 0.0 else math.inf
+    return _finite_or_inf(abs(a - b) / abs(b))
+
+
+def rel_from_squares(num2: float, den2: float) -> float:
+    """N2, N4, N6: ``sqrt(num2) / sqrt(den2)`` from a squared distance and a squared norm (inf when not finite)."""
+    return _finite_or_inf(_rel(num2, den2))
+
+
+def worst_tensor(per_tensor: Mapping[str, tuple[float, float]]) -> Metric:
+    """N5: the largest per-tensor ``rel_from_squares(num2, den2)`` and the tensor's name (names in sorted order)."""
+    worst, worst_name = -1.0, None
+    for n in sorted(per_tensor):
+        r = rel_from_squares(*per_tensor[n])
+        if r > worst:
+            worst, worst_name = r, n
+    return Metric(max(worst, 0.0), worst_name)
+
+
+def reference_bound(tol: float, slack: float, control_vs_reference: float) -> float:
+    """The bound on ``m(candidate, reference)``: ``max(tol, (1 + slack) * m(control, reference))``."""
+    return max(tol, (1.0 + slack) * control_vs_reference)
+
+
+def control_bound(floor: float, control_vs_reference: float) -> float:
+    """The bound of a rounding gate on ``m(candidate, control)``: ``max(floor, m(control, reference))``."""
+    return max(floor, control_vs_reference)
+
+
+def environment_note(gate: str, step: int, control_vs_reference: float, live_range) -> str:
+    """"" when the live ``m(control, reference)`` lies in the calibrated ``live_range`` (or there is none), else the
+    environment change with the numbers."""
+    if live_range is None:
+        return ""
+    lo, hi = live_range
+    if lo <= control_vs_reference <= hi:
+        return ""
+    return (f"{gate} step {step}: live m(control, reference) = {control_vs_reference:.4e} outside the calibrated range "
+            f"[{lo:.4e}, {hi:.4e}] (environment change; the bounds follow the live value)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Metric:
     value: float
@@ -73,35 +124,28 @@ def metric(gate: str, a: RunRecord, b: RunRecord, step: int) -> Metric:
     """m_gate(a, b) at ``step`` (0-based), float64; non-finite inputs give inf."""
     sa, sb = a.steps[step], b.steps[step]
     if gate == "N1":
-        la, lb = float(as_f64(sa.loss)), float(as_f64(sb.loss))
-        if lb == 0.0:
-            return Metric(0.0 if la == 0.0 else math.inf)
-        return Metric(_finite_or_inf(abs(la - lb) / abs(lb)))
+        return Metric(rel_scalar(float(as_f64(sa.loss)), float(as_f64(sb.loss))))
     if gate == "N2":
         m = np.asarray(a.mask) > 0
         x, y = as_f64(sa.logp)[m], as_f64(sb.logp)[m]
-        return Metric(_finite_or_inf(_rel(float(np.sum((x - y) ** 2)), float(np.sum(y**2)))))
+        return Metric(rel_from_squares(float(np.sum((x - y) ** 2)), float(np.sum(y**2))))
     names = sorted(sb.grads)
     if gate == "N3":
-        na, nb = math.sqrt(_norm2(sa.grads[n] for n in names)), math.sqrt(_norm2(sb.grads[n] for n in names))
-        if nb == 0.0:
-            return Metric(0.0 if na == 0.0 else math.inf)
-        return Metric(_finite_or_inf(abs(na - nb) / nb))
+        return Metric(rel_scalar(math.sqrt(_norm2(sa.grads[n] for n in names)),
+                                 math.sqrt(_norm2(sb.grads[n] for n in names))))
     if gate == "N4":
         num = _norm2(as_f64(sa.grads[n]) - as_f64(sb.grads[n]) for n in names)
-        return Metric(_finite_or_inf(_rel(num, _norm2(sb.grads[n] for n in names))))
+        return Metric(rel_from_squares(num, _norm2(sb.grads[n] for n in names)))
     if gate == "N5":
-        worst, worst_name = -1.0, None
+        per = {}
         for n in names:
             ga, gb = as_f64(sa.grads[n]), as_f64(sb.grads[n])
-            r = _finite_or_inf(_rel(float(np.sum((ga - gb) ** 2)), float(np.sum(gb**2))))
-            if r > worst:
-                worst, worst_name = r, n
-        return Metric(max(worst, 0.0), worst_name)
+            per[n] = (float(np.sum((ga - gb) ** 2)), float(np.sum(gb**2)))
+        return worst_tensor(per)
     if gate == "N6":
         da = [as_f64(sa.params[n]) - as_f64(a.params0[n]) for n in names]
         db = [as_f64(sb.params[n]) - as_f64(b.params0[n]) for n in names]
-        return Metric(_finite_or_inf(_rel(_norm2(x - y for x, y in zip(da, db, strict=True)), _norm2(db))))
+        return Metric(rel_from_squares(_norm2(x - y for x, y in zip(da, db, strict=True)), _norm2(db)))
     raise ValueError(f"metric: gate={gate!r} is not one of {GATES}")
 
 
@@ -177,6 +221,7 @@ class GateResult:
     passed_reference: bool
     worst_tensor: str | None
     note: str = ""
+    environment: str = ""  # the live m(control, reference) outside the calibrated live_range (not a failure)
 
     @property
     def passed(self) -> bool:
@@ -199,7 +244,7 @@ def evaluate(
     results = []
     for i in range(control.num_steps):
         for gate in GATES:
-            tol = tolerances.tol_at(gate, i + 1)
+            tol = tolerances.tol_at(gate, i + 1)  # the floor
             if not shape_ok:
                 results.append(GateResult(gate, i + 1, math.inf, math.inf, math.inf, tol, tol, None, False, False, None,
                                           "records do not line up"))
@@ -207,15 +252,15 @@ def evaluate(
             vc = metric(gate, candidate, control, i)
             vr = metric(gate, candidate, reference, i).value
             cr = metric(gate, control, reference, i).value
-            bound_ref = max(tol, (1.0 + tolerances.slack[gate]) * cr)
+            bound_ref = reference_bound(tol, tolerances.slack[gate], cr)
             ident = None
             if contract == "exact":
                 ident = bit_identical(gate, candidate, control, i)
                 ok_c = ident and vc.value == 0.0
                 bound_c = 0.0
             else:
-                ok_c = vc.value <= tol
-                bound_c = tol
+                bound_c = control_bound(tol, cr)
+                ok_c = vc.value <= bound_c
             ok_r = vr <= bound_ref
             note = ""
             if problems:
@@ -223,6 +268,7 @@ def evaluate(
                 note = "precondition failed"
             elif contract == "exact" and not ident:
                 note = "not bit-identical"
+            env = environment_note(gate, i + 1, cr, tolerances.live_range_at(gate, i + 1))
             results.append(GateResult(gate, i + 1, vc.value, vr, cr, bound_c, bound_ref, ident, bool(ok_c), bool(ok_r),
-                                      vc.worst_tensor, note))
+                                      vc.worst_tensor, note, env))
     return results, problems

@@ -99,7 +99,7 @@ def _rel(a: float, b: float) -> float:
 def compare(golden: dict, rec: RunRecord, tol_rel: float, path: str = "", *,
             cross_env_rel: float | None = None) -> GoldenComparison:
     """The control ``rec`` against ``golden``: exact (loss bits, grad norms within ``tol_rel``) where the environment
-    key matches, else loss and grad norms within ``cross_env_rel`` per step (None: ``tol_rel``)."""
+    key matches, else loss and grad norms within ``cross_env_rel`` per step (None: not compared, said so)."""
     env = rec.metadata.get("env", {})
     meta = golden.get("metadata", {})
     genv = meta.get("env", {})
@@ -116,7 +116,11 @@ def compare(golden: dict, rec: RunRecord, tol_rel: float, path: str = "", *,
     differ = [f"{k} {_show(genv.get(k))} (golden) vs {_show(env.get(k))} (now)"
               for k in EXACT_KEYS if genv.get(k) != env.get(k)]
     exact = not differ
-    rel_bound = tol_rel if exact or cross_env_rel is None else cross_env_rel
+    if not exact and cross_env_rel is None:
+        return GoldenComparison("skipped", "golden NOT compared: the environment differs from the golden's ("
+                                + "; ".join(differ) + ") and the tolerance table has no [gates.golden] cross_env_rel",
+                                path, False)
+    rel_bound = tol_rel if exact else cross_env_rel
     problems, worst = [], {"loss": 0.0, "grad norm": 0.0}
     for i, s in enumerate(rec.steps):
         loss, gloss = float(np.asarray(s.loss, np.float64)), float(golden["loss"][i])

@@ -42,8 +42,8 @@ def files(tmp_path_factory):
     (d / "tol_latin1.toml").write_bytes(("# \xe9\n" + tol).encode("latin-1"))
     (d / "tol_broken.toml").write_text(tol.replace("[gates.N3]", "[gates.N3"))
     (d / "tol_no_n3.toml").write_text(tol.replace("[gates.N3]", "[gates.N3_retired]"))
-    (d / "tol_negative.toml").write_text(tol.replace("[gates.N1]\nrel = 0.0", "[gates.N1]\nrel = -1.0"))
-    (d / "tol_no_cross.toml").write_text(tol.replace("cross_env_rel = 5e-3\n", ""))
+    (d / "tol_negative.toml").write_text(tol.replace("[gates.N1]\nfloor = 0.0", "[gates.N1]\nfloor = -1.0"))
+    (d / "tol_bad_cross.toml").write_text(tol.replace("cross_env_rel = 5e-3\n", 'cross_env_rel = "loose"\n'))
     (d / "a_file").write_text("not a folder\n")
     return d
 
@@ -123,8 +123,9 @@ CORPUS = [
     ("tolerances-latin1", ["--tolerances", F + "/tol_latin1.toml"], ["tol_latin1.toml is not UTF-8 text"]),
     ("tolerances-no-entry", ["--tolerances", F + "/tol_no_n3.toml"], ["[gates.N3] missing"]),
     ("tolerances-negative", ["--tolerances", F + "/tol_negative.toml"],
-     ["[gates.N1] rel=-1.0 must be a finite number >= 0"]),
-    ("tolerances-no-cross-env", ["--tolerances", F + "/tol_no_cross.toml"], ["[gates.golden] needs 'cross_env_rel'"]),
+     ["[gates.N1] floor=-1.0 must be a finite number >= 0"]),
+    ("tolerances-bad-cross-env", ["--tolerances", F + "/tol_bad_cross.toml"],
+     ["[gates.golden] cross_env_rel='loose' must be a finite number >= 0"]),
     # --- --jobs (issue 13 item 6)
     ("jobs-0", ["--jobs", "0"], ["--jobs='0' must be an integer from 1 to"]),
     ("jobs-negative", ["--jobs", "-1"], ["--jobs='-1' must be an integer"]),

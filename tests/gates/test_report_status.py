@@ -22,7 +22,7 @@ from nxgates.gates import atomic, cli, runner
 from tests.gates import toy_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-FUSED = ["--flags", "moe_wi_gmm_fused_swiglu=true"]
+GATHER8 = ["--flags", "fp8_fake_quant_hoist=gather8"]  # an exact flag the toy passes
 
 
 def run_cli(tmp_path, argv, capsys, cache="cache"):
@@ -34,12 +34,12 @@ def run_cli(tmp_path, argv, capsys, cache="cache"):
 
 
 def test_status_and_run_identity_come_first(tmp_path, capsys):
-    code, err, doc, md = run_cli(tmp_path, FUSED, capsys)
+    code, err, doc, md = run_cli(tmp_path, GATHER8, capsys)
     assert code == 0, err
     assert list(doc)[0] == "status" and doc["status"] == "complete" and doc["passed"] is True
     run = doc["run"]
     assert run["command"] == f"nxgates run --config toy --jobs 1 --out {tmp_path / 'out'} --cache-dir " \
-                             f"{tmp_path / 'cache'} --flags moe_wi_gmm_fused_swiglu=true"
+                             f"{tmp_path / 'cache'} --flags fp8_fake_quant_hoist=gather8"
     assert run["started"].startswith("20") and run["written"] >= run["started"]
     assert len(run["source_sha256"]) == 64 and run["pid"] == os.getpid()
     assert run["git_commit"] is None or len(run["git_commit"].split("+")[0]) == 40
@@ -90,7 +90,7 @@ def test_interrupt_after_a_check_marks_the_report(tmp_path, capsys, monkeypatch)
 def test_a_stale_report_is_replaced_before_anything_is_computed(tmp_path, capsys, monkeypatch):
     """The report of an earlier complete run is overwritten by an "incomplete" one before the first model run; a run
     killed at any point leaves a report that says it is not complete."""
-    code, _, doc, _ = run_cli(tmp_path, FUSED, capsys)
+    code, _, doc, _ = run_cli(tmp_path, GATHER8, capsys)
     assert doc["status"] == "complete"
     seen = []
 
@@ -99,7 +99,7 @@ def test_a_stale_report_is_replaced_before_anything_is_computed(tmp_path, capsys
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner.Runner, "compute", compute)
-    code, err, doc, md = run_cli(tmp_path, FUSED, capsys, cache="other-cache")
+    code, err, doc, md = run_cli(tmp_path, GATHER8, capsys, cache="other-cache")
     assert seen and seen[0]["status"] == "incomplete" and seen[0]["checks"] == []
     assert "if process" in seen[0]["status_line"]
     assert code == 130 and doc["status"] == "interrupted" and doc["checks"] == []
