@@ -257,3 +257,21 @@ def test_the_harness_fails_an_input_that_is_not_refused(tmp_path, no_model_runs)
     with pytest.raises(AssertionError, match="a bad input was not refused"):
         cli.main(["run", "--config", "smoke", "--flags", "gdn_cp_m_scan=true", "--jobs", "1", "--out",
                   str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c")])
+
+
+def test_a_plain_interpreter_gets_the_host_devices_or_the_fix(tmp_path):
+    """Issue 13 item 7: the README's snippet in a plain interpreter. ``check`` sets up the 8 host CPU devices when jax
+    has not started (here: refused flag, after the mesh's devices exist); when jax already started with fewer, the
+    error says what to set."""
+    code = ("import jax\nfrom nxgates import gates\n"
+            "try:\n    gates.check('smoke', {'wi_tile_fwd_mlp_dim': 1048576}, progress=None)\n"
+            "except ValueError as e:\n    print('refused:', str(e).splitlines()[-1], len(jax.devices()))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 0 and "refused:" in proc.stdout and proc.stdout.strip().endswith(" 8"), proc.stderr
+    late = "import jax\njax.devices()\nfrom nxgates import gates\ngates.check('smoke', progress=None)\n"
+    proc = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 1 and "RuntimeError: nxgates needs 8 devices" in proc.stderr
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in proc.stderr
