@@ -19,10 +19,12 @@ from tests.gates.toy_model import toy_run
 
 
 def tolerance_file(tmp_path: pathlib.Path, rel: float) -> str:
-    """A copy of the repository's table with every gate's rel replaced (N1 stays 0)."""
+    """A copy of the repository's table with every gate's floor replaced (N1 stays 0): the floor bounds both sides
+    (against the control and against the reference) from below, so a large floor passes a rounding candidate."""
     text = T.DEFAULT_TOLERANCES.read_text()
     for gate in ("N2", "N3", "N4", "N5", "N6"):
-        text = re.sub(rf"(\[gates\.{gate}\]\nrel = )[^\n]+", rf"\g<1>{rel}", text)
+        text, n = re.subn(rf"(\[gates\.{gate}\]\nfloor = )[^\n]+", rf"\g<1>{rel}", text)
+        assert n == 1, f"[gates.{gate}] floor not found in the table"
     p = tmp_path / f"tol-{rel}.toml"
     p.write_text(text)
     return str(p)
@@ -147,7 +149,7 @@ def test_gate_failure_exits_1_and_names_the_first_failing_step(workdir, capsys, 
     n1 = [g for g in check["gates"] if g["gate"] == "N1"]
     assert all(g["passed"] for g in n1)  # the loss does not move; the gradient does
     assert check["records"]["control"] == "cached"  # shared with the previous test through the cache
-    # and the same candidate passes the repository's table
+    # and the same candidate passes a table whose floors (0.1) sit above its distances
     code, out, _ = run_cli(["--config", "toy", "--flags", "moe_wi_gmm_fused_swiglu=true", "--tolerances",
                             tolerance_file(tmp_path, 0.1), "--out", str(tmp_path / "r")], workdir, capsys)
     assert code == 0, out
