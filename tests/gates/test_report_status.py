@@ -139,6 +139,12 @@ sys.exit(cli.main(sys.argv[1:], api=slow_toy.api(), api_factory="tests.gates.slo
 """
 
 
+def _default_sigint():
+    """A terminal's program gets Ctrl-C; a job started in the background of a shell (CI, nohup) inherits SIGINT
+    ignored, and Python then installs no KeyboardInterrupt handler. Give the child the terminal's disposition."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("where, sig, jobs", [("main", signal.SIGINT, "1"), ("workers", signal.SIGINT, "2"),
                                               ("main", signal.SIGTERM, "1")],
                          ids=["ctrl-c", "ctrl-c-during-prefetch", "sigterm"])
@@ -150,7 +156,8 @@ def test_a_signal_prints_one_line_and_exits_130(tmp_path, where, sig, jobs):
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-c", DRIVER, "run", "--config", "toy", "--jobs", jobs, "--out",
                                  str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c")], cwd=ROOT, env=env,
-                                stderr=f, stdout=subprocess.DEVNULL, start_new_session=True)
+                                stderr=f, stdout=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_default_sigint)
         try:
             deadline = time.time() + 240
             while "building slowly" not in log.read_text():
