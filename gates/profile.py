@@ -88,9 +88,10 @@ def row(label: str, how: str, metadata: dict, wall_s: float, cpu_s: float | None
     (all threads; on a loaded machine the CPU seconds are the steadier figure)."""
     ph = metadata.get("phases", {})
     execute = ph.get("execute_s", [])
-    computed = not how.startswith("cached")
-    out = {"record": label, "how": how.split(" (")[0].split(":")[0], "wall_s": round(wall_s, 2),
-           "cpu_s": None if cpu_s is None else round(cpu_s, 2), "computed": computed}
+    by_worker = "by a prefetch worker" in how  # the worker's own row counts its phases
+    computed = not how.startswith("cached") and not by_worker
+    out = {"record": label, "how": "worker's" if by_worker else how.split(" (")[0].split(":")[0],
+           "wall_s": round(wall_s, 2), "cpu_s": None if cpu_s is None else round(cpu_s, 2), "computed": computed}
     for k in ("trace_s", "lower_s", "compile_s"):
         out[k] = ph.get(k)
     out["execute_s"] = round(sum(execute), 3) if execute else None
