@@ -12,6 +12,9 @@ Commands:
     golden          python -m nxgates golden [--config tiny]: rebuild fixtures/golden/<config>.json from a fresh control
     mutants         python -m nxgates mutants [--config tiny] [--only NAME ...]: deliberately wrong variants must fail
                     exactly their predicted gates (exit 0 when every one does)
+    explain         python -m nxgates explain [--config tiny] --flags k=v ... | --mutant NAME ... | --mutants: the first
+                    op and layer where the candidate leaves the control at step 1 (gates.explain); exit 0 when no tap
+                    is over its bound, 1 otherwise (--mutant/--mutants: 0 once explained)
 Global: --accelerator (use the default jax backend instead of 8 host CPU devices; read in gates/__main__.py).
 """
 
@@ -25,7 +28,7 @@ import time
 from nxgates.gates.errors import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
-COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants")
+COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "explain")
 
 
 def _progress(msg: str) -> None:
@@ -73,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
                           "everything in this process)")
     run.add_argument("--tolerances", default=None, help="tolerance table (default fixtures/tolerances.toml)")
     run.add_argument("--golden-dir", default=None, help="golden records (default fixtures/golden)")
+    run.add_argument("--no-explain", action="store_true", help="do not explain the failing checks (gates.explain)")
+    ex = sub.add_parser("explain", help="the first op and layer where the candidate leaves the control (step 1)")
+    common(ex)
+    ex.add_argument("--flags", nargs="+", action="extend", metavar="K=V", help="the check to explain")
+    ex.add_argument("--mutant", nargs="+", action="extend", metavar="NAME", help="explain these mutants")
+    ex.add_argument("--mutants", action="store_true", help="explain every mutant (table: injected op, named op)")
     cal = sub.add_parser("calibrate", help="measure the distances behind the tolerances")
     common(cal)
     cal.add_argument("--benign", nargs="+", action="extend", metavar="K=V",
@@ -134,6 +143,10 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
             from nxgates.gates import mutants
 
             return mutants.main(args, api)
+        if args.command == "explain":
+            from nxgates.gates import explainer
+
+            return explainer.main(args, api)
     except bad as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -154,7 +167,7 @@ def _run(args, api, custom_api: bool) -> int:
     report = suite.check(args.config, flags, api=api if custom_api else None, tiles=args.tiles,
                           cache_dir=args.cache_dir, use_cache=not args.no_cache, tolerances_path=args.tolerances,
                           golden_dir=args.golden_dir, progress=_progress,
-                          on_check=lambda partial: partial.write(args.out), jobs=jobs)
+                          on_check=lambda partial: partial.write(args.out), jobs=jobs, explain=not args.no_explain)
     json_path, md_path = report.write(args.out)
     if args.json:
         print(json.dumps(report.to_json(), indent=2, default=str))

@@ -52,6 +52,8 @@ class CheckResult:
     # Routing replay: per step, the (layer, token) pairs whose own top-k differed from the control's replayed choice,
     # {"candidate": [...], "reference": [...]}; empty for a model without routing.
     routing_mismatch: dict = dataclasses.field(default_factory=dict)
+    # A failing check's explanation (gates.explainer.Explanation, or a str saying why there is none); None: not asked.
+    explanation: object = None
 
     @property
     def passed(self) -> bool:

@@ -45,13 +45,15 @@ def check(
     progress: Callable[[str], None] | None = stderr,
     on_check: Callable[[Any], None] | None = None,
     jobs: int = 1,
+    explain: bool = True,
 ):
     """Run the gates: ``flags=None`` checks every tuning flag alone and the tuned combination; otherwise one check
     of ``flags`` ({key: value or string}) plus the prerequisite tuning flags the model's rules name (printed).
     Returns a ``gates.report.Report``. Bad input raises ``ConfigError`` (``model.flags``) or ``BadInput``, both
     ``ValueError``, before anything is computed. ``on_check(partial_report)`` is
     called after each check (the CLI writes the reports so far). ``jobs > 1`` (with the cache and the real model):
-    the records are computed first by that many worker processes (``gates.prefetch``), then the checks read them."""
+    the records are computed first by that many worker processes (``gates.prefetch``), then the checks read them.
+    ``explain``: every failing check gets its explanation (``gates.explain``: the first op and layer over its bound)."""
     tols = load_tolerances(tolerances_path) if tolerances_path else load_tolerances()
     runner = Runner(config, api=api, settings=settings,
                     cache=record_lib.RecordCache(cache_dir, log=progress or (lambda m: None)), use_cache=use_cache,
@@ -68,6 +70,10 @@ def check(
     checks = []
     for spec in specs:
         checks.append(runner.run_check(spec))
+        if explain and not checks[-1].passed:
+            from nxgates.gates.explainer import explain_failed
+
+            checks[-1].explanation = explain_failed(runner, spec)
         if on_check is not None and len(checks) < len(specs):
             on_check(report_lib.Report(config=config, checks=list(checks), golden=None, env=runner.env,
                                        tolerances=tols, wall_s=round(time.perf_counter() - runner.t0, 2),
