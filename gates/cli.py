@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
         if args.command == "explain":
             from nxgates.gates import explainer
 
-            return explainer.main(args, api)
+            return explainer.main(args, api, parse_flag_items(args.flags))
     except bad as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -352,9 +352,8 @@ def mutants_table(results) -> str:
                     tablefmt="github", disable_numparse=True)
 
 
-def main(args, api) -> int:
-    from nxgates.gates.cli import parse_flag_items
-
+def main(args, api, flags: dict | None) -> int:
+    """``python -m nxgates explain`` (``gates.cli``; ``flags`` parsed from ``--flags``)."""
     out = args.out
     if args.mutants or args.mutant:
         results = explain_mutants(args.config, only=args.mutant, api=api)
@@ -364,7 +363,6 @@ def main(args, api) -> int:
         print()
         print(mutants_table(results))
         return 0
-    flags = parse_flag_items(args.flags)
     if not flags:
         raise BadInput("explain: give --flags k=v ... (or --mutant NAME / --mutants)")
     ex = explain(args.config, flags, api=api)

@@ -186,3 +186,20 @@ def test_cli_explain_without_flags_is_bad_input(capsys):
 def test_cli_explain_unknown_mutant_is_bad_input(capsys):
     assert cli.main(["explain", "--config", "smoke", "--mutant", "nope"]) == cli.EXIT_BAD_INPUT
     assert "unknown mutant" in capsys.readouterr().err
+
+
+def test_run_explains_each_failing_check_and_only_those(tmp_path, capsys):
+    """The hook in gates.suite: a failing check gets an explanation (the toy model has no taps, so the report says
+    why there is none), a passing check none."""
+    from tests.gates import toy_model
+    from tests.gates.test_cli import tolerance_file
+
+    argv = ["--config", "toy", "--flags", "moe_wi_gmm_fused_swiglu=true", "--cache-dir", str(tmp_path / "cache"),
+            "--out", str(tmp_path / "r"), "--json"]
+    assert cli.main([*argv, "--tolerances", tolerance_file(tmp_path, 0.0)], api=toy_model.api()) == 1
+    check = json.loads(capsys.readouterr().out)["checks"][0]
+    assert check["explanation"]["line"].startswith("no explanation: explain: this model's build_log_probs takes no")
+    assert cli.main([*argv, "--tolerances", tolerance_file(tmp_path, 0.1)], api=toy_model.api()) == 0
+    assert json.loads(capsys.readouterr().out)["checks"][0]["explanation"] is None
+    assert cli.main([*argv, "--tolerances", tolerance_file(tmp_path, 0.0), "--no-explain"], api=toy_model.api()) == 1
+    assert json.loads(capsys.readouterr().out)["checks"][0]["explanation"] is None
