@@ -1,7 +1,8 @@
 """Taps (model/taps.py): the default program is unchanged, and the taps hold the values they claim.
 
-Run: ``python -m pytest tests/model/test_taps.py -q`` (the reduced tiny config of test_transformer.py: two layer groups,
-so the layer scan is a real loop; lowering only for the program comparisons, one explained step compiled).
+Run: ``python -m pytest tests/model/test_taps.py -q`` (the reduced tiny config of test_transformer.py with one layer
+group, to keep the suite's time: the layer scan is traced all the same and the taps stack per group; the program
+comparisons are lowered only, one explained step is compiled).
 """
 
 import functools
@@ -15,11 +16,20 @@ from nxgates.model import layers, rules, sharding, taps, transformer
 from tests.model.test_transformer import _inputs, small_cfg
 
 
+@functools.cache
+def _one_group_cfg():
+    """One layer group (half the lowering time of small_cfg): the tap hooks are all on the traced path either way."""
+    import dataclasses
+
+    return dataclasses.replace(small_cfg(), num_layers=4)
+
+
 def _default_text() -> str:
-    cfg = small_cfg()
+    cfg = _one_group_cfg()
     flags = rules.flags_for(cfg, {})
     log_probs = transformer.build_log_probs(cfg, flags, precision="production", mesh=sharding.make_mesh(flags))
-    params, tokens = _inputs()
+    params = transformer.init_params(cfg, 0)
+    tokens = _inputs()[1]
 
     def loss(p, t):
         logp, aux = log_probs(p, t)
@@ -31,11 +41,11 @@ def _default_text() -> str:
 @functools.cache
 def _explained():
     """One explained step of the production control: (forward taps, backward taps, specs, logp, weights)."""
-    cfg = small_cfg()
+    cfg = _one_group_cfg()
     flags = rules.flags_for(cfg, {})
     mesh = sharding.make_mesh(flags)
     fn = transformer.build_log_probs(cfg, flags, precision="production", mesh=mesh, explain=True)
-    params, tokens = _inputs()
+    params, tokens = transformer.init_params(cfg, 0), _inputs()[1]
     params = sharding.shard_params(params, mesh)
     routing = (jnp.zeros(fn.routing_shape, jnp.int32), jnp.bool_(False))
     structure = fn.probe_shapes(params, tokens, routing)
@@ -52,26 +62,24 @@ def _explained():
 
 
 def test_default_program_unchanged_by_the_tap_machinery(monkeypatch):
+    """The StableHLO text of the default step (value_and_grad of the log-probs) is the same after an explained build
+    was traced in this process and without the machinery (tap hooks that cannot record anything, no session); and
+    the comparison can fail: a hook that adds zero to every tapped value changes it."""
     before = _default_text()
     _explained()  # an explained build traced in this process leaves nothing behind
     assert _default_text() == before
-    # Without the machinery: tap hooks that cannot record anything, and no session can be made.
-    monkeypatch.setattr(layers.Ctx, "tap", lambda self, op, x, label="", backward=True: x)
-    monkeypatch.setattr(layers.Ctx, "tap_call", lambda self, op, fn, args, names, diff, label="": fn(*args))
-    monkeypatch.setattr(taps, "TapSession", None)
-    assert _default_text() == before
-
-
-def test_the_program_comparison_sees_a_change(monkeypatch):
-    """The comparison above can fail: a hook that adds zero to every tapped value changes the default program."""
-    before = _default_text()
+    with monkeypatch.context() as m:
+        m.setattr(layers.Ctx, "tap", lambda self, op, x, label="", backward=True: x)
+        m.setattr(layers.Ctx, "tap_call", lambda self, op, fn, args, names, diff, label="": fn(*args))
+        m.setattr(taps, "TapSession", None)
+        assert _default_text() == before
     monkeypatch.setattr(layers.Ctx, "tap", lambda self, op, x, label="", backward=True: x + jnp.zeros((), x.dtype))
     assert _default_text() != before
 
 
 def test_taps_cover_every_scope_and_stack_per_layer_group():
     fwd, bwd, specs, *_ , structure = _explained()
-    n_dev, groups = 8, small_cfg().num_layers // 4
+    n_dev, groups = 8, _one_group_cfg().num_layers // 4
     assert set(specs) == {"embed", "layer_0", "layer_1", "layer_2", "layer_3", "head"}
     ops_0 = {s.op for s in specs["layer_0"]}
     assert {"norm", "gdn_cp_fold", "gdn", "gdn_cp_dh_fold", "router", "fp8_amax", "fp8_fake_quant", "moe_mlp",
