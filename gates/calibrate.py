@@ -75,15 +75,33 @@ def _rel_at(rel, step: int) -> float:
 def benign_ratios(rows: list[dict], rel: dict | None = None) -> dict[str, dict]:
     """Per gate: the largest m(benign, reference) / m(control, reference) over the steps where m(control, reference)
     > 0 and (with ``rel``) m(benign, reference) > rel[gate] at that step:
-    {"ratio": float | None, "step": int | None}."""
+    {"ratio": float | None, "step": int | None}. A row without a benign draw (benign_vs_reference None) is no
+    candidate."""
     out = {}
     for g in gates_lib.GATES:
         cands = [(row["benign_vs_reference"] / row["control_vs_reference"], row["step"]) for row in rows
-                 if row["gate"] == g and row["control_vs_reference"] > 0
+                 if row["gate"] == g and row["control_vs_reference"] > 0 and row["benign_vs_reference"] is not None
                  and (rel is None or row["benign_vs_reference"] > _rel_at(rel[g], row["step"]))]
         ratio, step = max(cands) if cands else (None, None)
         out[g] = {"ratio": ratio, "step": step}
     return out
+
+
+def derive_tolerances(rows: list[dict]) -> dict[str, dict]:
+    """THE rule from measured rows to the [gates.*] table (used by ``calibrate`` and ``calibrate_records``).
+
+    ``rows``: per gate and step (1-based, steps 1..n in order) {"gate", "step", "control_vs_reference",
+    "benign_vs_reference" (the worst benign draw's; None without one)}; a gate without rows is left out. Per gate:
+    {"rel": ``proposed_rel``, "slack": ``slack_from_ratio`` of the largest benign ratio over the steps where the draw
+    exceeds rel, "benign_ratio", "benign_ratio_step", "benign_ratio_every_step", "control_vs_reference_max"}."""
+    gates = [g for g in gates_lib.GATES if any(row["gate"] == g for row in rows)]
+    rel = {g: proposed_rel(g, [row["control_vs_reference"] for row in rows if row["gate"] == g]) for g in gates}
+    every_step, uncovered = benign_ratios(rows), benign_ratios(rows, rel)
+    return {g: {"rel": rel[g], "slack": slack_from_ratio(uncovered[g]["ratio"]),
+                "benign_ratio": uncovered[g]["ratio"], "benign_ratio_step": uncovered[g]["step"],
+                "benign_ratio_every_step": every_step[g]["ratio"],
+                "control_vs_reference_max": max(row["control_vs_reference"] for row in rows if row["gate"] == g)}
+            for g in gates}
 
 
 def _round_up(x: float, digits: int = 2) -> float:
@@ -152,15 +170,7 @@ def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *,
                 "control_again_vs_control": gates_lib.metric(g, again, control, i).value if again else None,
                 "control_reproducible_bits": gates_lib.bit_identical(g, again, control, i) if again else None,
             })
-    rel = {g: proposed_rel(g, [row["control_vs_reference"] for row in rows if row["gate"] == g])
-           for g in gates_lib.GATES}
-    every_step, uncovered = benign_ratios(rows), benign_ratios(rows, rel)
-    proposed = {}
-    for g in gates_lib.GATES:
-        proposed[g] = {"rel": rel[g], "slack": slack_from_ratio(uncovered[g]["ratio"]),
-                       "benign_ratio": uncovered[g]["ratio"], "benign_ratio_step": uncovered[g]["step"],
-                       "benign_ratio_every_step": every_step[g]["ratio"],
-                       "control_vs_reference_max": max(row["control_vs_reference"] for row in rows if row["gate"] == g)}
+    proposed = derive_tolerances(rows)
     return {"config": config, "benign": benigns, "env": r.env, "rows": rows, "proposed": proposed,
             "slack_rule": f"slack = max({SLACK_FLOOR}, {SLACK_FACTOR} * (max over the steps where m(benign, ref) > rel "
                           f"of m(benign, ref) / m(control, ref) - 1)) rounded up to {SLACK_STEP}",

@@ -15,6 +15,13 @@ Commands:
     explain         python -m nxgates explain [--config tiny] --flags k=v ... | --mutant NAME ... | --mutants: the first
                     op and layer where the candidate leaves the control at step 1 (gates.explain); exit 0 when no tap
                     is over its bound, 1 otherwise (--mutant/--mutants: 0 once explained)
+    compare         python -m nxgates compare CONTROL CANDIDATE [--reference REF] [--contract rounding|exact]
+                    [--tolerances FILE] [--json] [--out DIR]: the six gates on recorded runs of any trainer
+                    (gates.compare, docs/records.md); exit 0 pass, 1 a gate fails, 2 bad or insufficient records
+    calibrate-records  python -m nxgates calibrate-records CONTROL REFERENCE [BENIGN ...] [--out FILE]: rel and
+                    slack from a trainer's own records by calibrate's rule, written as a --tolerances file
+    import-metrics  python -m nxgates import-metrics METRICS.jsonl OUT_RUN_DIR [--loss-key K] ...: a JSON-lines
+                    metrics log (MaxText keys by default) as a record, its logged precision kept (N1, N3)
 Global: --accelerator (use the default jax backend instead of 8 host CPU devices; read in gates/__main__.py).
 """
 
@@ -28,7 +35,9 @@ import time
 from nxgates.gates.errors import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
-COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "explain")
+COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "compare", "calibrate-records",
+            "import-metrics", "explain")
+RECORD_COMMANDS = {"calibrate-records": "calibrate_records", "import-metrics": "metrics_log"}  # records only
 
 
 def _progress(msg: str) -> None:
@@ -99,7 +108,27 @@ def _parser() -> argparse.ArgumentParser:
     common(mu)
     mu.add_argument("--only", nargs="+", action="extend", metavar="NAME", help="run only these mutants")
     sub.add_parser("kernels", help="per-kernel tolerance report (gates.kernel_report)", add_help=False)
+    cmp = sub.add_parser("compare", help="the six gates on recorded runs (docs/records.md)")
+    cmp.add_argument("control", help="the control's run directory")
+    cmp.add_argument("candidate", help="the candidate's run directory")
+    cmp.add_argument("--reference", default=None, help="the reference's run directory (live bounds)")
+    cmp.add_argument("--contract", choices=("rounding", "exact"), default="rounding")
+    cmp.add_argument("--tolerances", default=None, help="tolerance table (rel, slack per gate)")
+    cmp.add_argument("--json", action="store_true", help="print the JSON report on stdout instead of the table")
+    cmp.add_argument("--out", default=None, help="also write compare.json and compare.md here")
+    cmp.add_argument("--accelerator", action="store_true", help="use the default jax backend (set before jax loads)")
+    for name, help_ in (("calibrate-records", "rel and slack from a trainer's own control, reference, benign records"),
+                        ("import-metrics", "a JSON-lines metrics log as a record (loss, gradient norm)")):
+        sp = sub.add_parser(name, help=help_)
+        _record_module(name).add_arguments(sp)
+        sp.add_argument("--accelerator", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _record_module(command: str):
+    import importlib
+
+    return importlib.import_module(f"nxgates.gates.{RECORD_COMMANDS[command]}")
 
 
 def main(argv: list[str] | None = None, *, api=None) -> int:
@@ -119,6 +148,16 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
             return EXIT_BAD_INPUT
         return int(kernel_report.main(rest))
     args = _parser().parse_args(argv)  # argparse exits 2 with a message naming the argument
+    if args.command == "compare":  # records only: no model needed
+        from nxgates.gates import compare
+
+        return compare.main(args)
+    if args.command in RECORD_COMMANDS:
+        try:
+            return _record_module(args.command).main(args)
+        except ValueError as e:  # RecordError, CompareInputError and bad arguments: named, no traceback
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     from nxgates.gates.model_api import default_model_api
 
     custom_api = api is not None  # worker processes (run --jobs) can only rebuild the real model package's API

@@ -63,6 +63,34 @@ def _finite_or_inf(x: float) -> float:
     return x if math.isfinite(x) else math.inf
 
 
+# The gate formulas, shared by the gates on run records (``metric``) and on sketched records (``gates.compare``).
+def rel_scalar(a: float, b: float) -> float:
+    """N1, N3: ``|a - b| / |b|`` (0 when both are 0, inf when only ``b`` is, or for a non-finite value)."""
+    if b == 0.0:
+        return 0.0 if a == 0.0 else math.inf
+    return _finite_or_inf(abs(a - b) / abs(b))
+
+
+def rel_from_squares(num2: float, den2: float) -> float:
+    """N2, N4, N6: ``sqrt(num2) / sqrt(den2)`` from a squared distance and a squared norm (inf when not finite)."""
+    return _finite_or_inf(_rel(num2, den2))
+
+
+def worst_tensor(per_tensor: Mapping[str, tuple[float, float]]) -> Metric:
+    """N5: the largest per-tensor ``rel_from_squares(num2, den2)`` and the tensor's name (names in sorted order)."""
+    worst, worst_name = -1.0, None
+    for n in sorted(per_tensor):
+        r = rel_from_squares(*per_tensor[n])
+        if r > worst:
+            worst, worst_name = r, n
+    return Metric(max(worst, 0.0), worst_name)
+
+
+def reference_bound(tol: float, slack: float, control_vs_reference: float) -> float:
+    """The bound on ``m(candidate, reference)``: ``max(tol, (1 + slack) * m(control, reference))``."""
+    return max(tol, (1.0 + slack) * control_vs_reference)
+
+
 @dataclasses.dataclass(frozen=True)
 class Metric:
     value: float
@@ -73,35 +101,28 @@ def metric(gate: str, a: RunRecord, b: RunRecord, step: int) -> Metric:
     """m_gate(a, b) at ``step`` (0-based), float64; non-finite inputs give inf."""
     sa, sb = a.steps[step], b.steps[step]
     if gate == "N1":
-        la, lb = float(as_f64(sa.loss)), float(as_f64(sb.loss))
-        if lb == 0.0:
-            return Metric(0.0 if la == 0.0 else math.inf)
-        return Metric(_finite_or_inf(abs(la - lb) / abs(lb)))
+        return Metric(rel_scalar(float(as_f64(sa.loss)), float(as_f64(sb.loss))))
     if gate == "N2":
         m = np.asarray(a.mask) > 0
         x, y = as_f64(sa.logp)[m], as_f64(sb.logp)[m]
-        return Metric(_finite_or_inf(_rel(float(np.sum((x - y) ** 2)), float(np.sum(y**2)))))
+        return Metric(rel_from_squares(float(np.sum((x - y) ** 2)), float(np.sum(y**2))))
     names = sorted(sb.grads)
     if gate == "N3":
-        na, nb = math.sqrt(_norm2(sa.grads[n] for n in names)), math.sqrt(_norm2(sb.grads[n] for n in names))
-        if nb == 0.0:
-            return Metric(0.0 if na == 0.0 else math.inf)
-        return Metric(_finite_or_inf(abs(na - nb) / nb))
+        return Metric(rel_scalar(math.sqrt(_norm2(sa.grads[n] for n in names)),
+                                 math.sqrt(_norm2(sb.grads[n] for n in names))))
     if gate == "N4":
         num = _norm2(as_f64(sa.grads[n]) - as_f64(sb.grads[n]) for n in names)
-        return Metric(_finite_or_inf(_rel(num, _norm2(sb.grads[n] for n in names))))
+        return Metric(rel_from_squares(num, _norm2(sb.grads[n] for n in names)))
     if gate == "N5":
-        worst, worst_name = -1.0, None
+        per = {}
         for n in names:
             ga, gb = as_f64(sa.grads[n]), as_f64(sb.grads[n])
-            r = _finite_or_inf(_rel(float(np.sum((ga - gb) ** 2)), float(np.sum(gb**2))))
-            if r > worst:
-                worst, worst_name = r, n
-        return Metric(max(worst, 0.0), worst_name)
+            per[n] = (float(np.sum((ga - gb) ** 2)), float(np.sum(gb**2)))
+        return worst_tensor(per)
     if gate == "N6":
         da = [as_f64(sa.params[n]) - as_f64(a.params0[n]) for n in names]
         db = [as_f64(sb.params[n]) - as_f64(b.params0[n]) for n in names]
-        return Metric(_finite_or_inf(_rel(_norm2(x - y for x, y in zip(da, db, strict=True)), _norm2(db))))
+        return Metric(rel_from_squares(_norm2(x - y for x, y in zip(da, db, strict=True)), _norm2(db)))
     raise ValueError(f"metric: gate={gate!r} is not one of {GATES}")
 
 
@@ -207,7 +228,7 @@ def evaluate(
             vc = metric(gate, candidate, control, i)
             vr = metric(gate, candidate, reference, i).value
             cr = metric(gate, control, reference, i).value
-            bound_ref = max(tol, (1.0 + tolerances.slack[gate]) * cr)
+            bound_ref = reference_bound(tol, tolerances.slack[gate], cr)
             ident = None
             if contract == "exact":
                 ident = bit_identical(gate, candidate, control, i)

@@ -37,6 +37,8 @@ import numpy as np
 import optax
 
 from nxgates.gates import record as record_lib
+from nxgates.gates import recorder as recorder_lib
+from nxgates.gates.sketch import SketchSpec
 
 # The ratio's log is clipped to [-20, 20] before exp, as the trainer does, so a wild log-prob cannot overflow.
 LOG_RATIO_CLIP = 20.0
@@ -81,6 +83,16 @@ class ProtocolSettings:
 DEFAULT_SETTINGS = ProtocolSettings()
 
 
+def seed_for(case_id: str) -> int:
+    """A stable 31-bit seed derived from a case id (``zlib.crc32``), e.g. ``seed_for("tiny/batch")``."""
+    return zlib.crc32(case_id.encode()) & 0x7FFFFFFF
+
+
+# The records' sketches (docs/records.md: the width from the measured error table); one seed for every run, so that
+# any two records of this protocol are comparable.
+DEFAULT_SKETCH = SketchSpec(seed=seed_for("nxgates/sketch"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """The RL batch, the same every step.
@@ -97,11 +109,6 @@ class Batch:
     @property
     def num_completion_tokens(self) -> int:
         return int(self.completion_mask.sum())
-
-
-def seed_for(case_id: str) -> int:
-    """A stable 31-bit seed derived from a case id (``zlib.crc32``), e.g. ``seed_for("tiny/batch")``."""
-    return zlib.crc32(case_id.encode()) & 0x7FFFFFFF
 
 
 def make_batch(batch_size: int, seq_len: int, vocab_size: int, seed: int) -> Batch:
@@ -183,6 +190,8 @@ def run_protocol(
     progress: Callable[[str], None] | None = None,
     label: str = "run",
     replay: Sequence[np.ndarray] | None = None,
+    sketch: SketchSpec | None = None,
+    recorder: recorder_lib.Recorder | None = None,
 ) -> record_lib.RunRecord:
     """Run ``settings.steps`` optimizer steps of the RL loss and record every step.
 
@@ -194,6 +203,12 @@ def run_protocol(
     "routing_mismatch", recorded per step. ``replay=None``: every step routes by its own top-k (the control);
     ``replay=[ids of step 1, ...]``: step i uses those experts (the candidate and the reference replay the control's).
     Both run the same program (``on`` is data), so an exact flag stays bit-identical under replay.
+
+    Summaries (docs/records.md): after every step a third program computes, on the sharded device arrays, the
+    gradient and update sketches (``sketch``: width and seed, default ``DEFAULT_SKETCH``), the bit fingerprints and
+    the per-tensor gradient norms (``gates.recorder.summaries``), kept in ``StepRecord.summaries``; it reads the step's
+    outputs only, so the first two programs are the same with or without it. ``recorder``: also write each step to
+    that run directory as it ends (the record format; full tensors when the recorder has ``full_tensors``).
     """
     tokens = jnp.asarray(batch.tokens)
     mask = jnp.asarray(batch.completion_mask)
@@ -265,16 +280,26 @@ def run_protocol(
         opt_state,
     )
     opt_state = jax.device_put(opt_state, opt_layout)
+    sketch = DEFAULT_SKETCH if sketch is None else sketch
+    summarize = recorder_lib.jitted_summaries(sketch.width, sketch.seed)
+    summaries0 = _host(summarize(None, params))
+    if recorder is not None:
+        recorder.step(0, summaries={**summaries0, **_full(recorder, None, params0)})
     steps = []
-    step_s = []
+    step_s, summary_s = [], []
     t0 = time.perf_counter()
     for i in range(settings.steps):
         ts = time.perf_counter()
+        prev = params
         params, opt_state, loss, logp, grads, grad_norm, dropped, used, mismatch = step(params, opt_state, i)
         params = jax.device_put(params, layout)
         opt_state = jax.device_put(opt_state, opt_layout)
         jax.block_until_ready(params)
         step_s.append(time.perf_counter() - ts)
+        ts = time.perf_counter()
+        summ = _host(summarize(grads, params, prev_params=prev))
+        summary_s.append(time.perf_counter() - ts)
+        del prev
         steps.append(
             record_lib.StepRecord(
                 loss=np.asarray(loss),
@@ -285,8 +310,14 @@ def run_protocol(
                 dropped_tokens=int(dropped),
                 routing=None if used is None else np.asarray(used, np.int32),
                 routing_mismatch=int(mismatch),
+                summaries=summ,
             )
         )
+        if recorder is not None:
+            s = steps[-1]
+            recorder.step(i + 1, loss=s.loss, grad_norm=s.grad_norm, log_probs=s.logp, mask=batch.completion_mask,
+                          routing=s.routing, routing_mismatch=s.routing_mismatch, dropped_tokens=s.dropped_tokens,
+                          summaries={**summ, **_full(recorder, s.grads, s.params)})
         if progress is not None:
             replayed = f" routing replayed ({int(mismatch)} own choices differ)" if replay is not None else ""
             progress(f"{label}: step {i + 1}/{settings.steps} loss={float(loss):.6g} "
@@ -296,6 +327,22 @@ def run_protocol(
     meta.setdefault("batch_seed", batch.seed)
     meta["wall_s"] = round(time.perf_counter() - t0, 3)
     meta["step_s"] = [round(t, 3) for t in step_s]
+    meta["summary_s"] = [round(t, 3) for t in summary_s]  # the summaries' program (first: with its compile)
+    meta["sketch"] = sketch.to_json()
     # The first step includes tracing + compilation; later steps reuse the executable.
     meta["compile_s_estimate"] = round(step_s[0] - (min(step_s[1:]) if len(step_s) > 1 else 0.0), 3)
-    return record_lib.RunRecord(params0=params0, steps=steps, mask=np.asarray(batch.completion_mask), metadata=meta)
+    return record_lib.RunRecord(params0=params0, steps=steps, mask=np.asarray(batch.completion_mask), metadata=meta,
+                                summaries0=summaries0)
+
+
+def _host(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in jax.device_get(dict(tree)).items()}
+
+
+def _full(recorder, grads, params) -> dict[str, np.ndarray]:
+    """The full tensors as record fields when ``recorder`` keeps them (``grad/<path>``, ``param/<path>``)."""
+    if recorder is None or not recorder.full_tensors:
+        return {}
+    out = {f"param/{n}": a for n, a in (params or {}).items()}
+    out.update({f"grad/{n}": a for n, a in (grads or {}).items()})
+    return out

@@ -18,7 +18,8 @@ import numpy as np
 
 from nxgates.gates.model_api import SOURCE_DIRS
 
-SOURCE_FILES = ("gates/protocol.py",)  # besides SOURCE_DIRS: the protocol computes every record too
+# Besides SOURCE_DIRS, the gates modules that compute every record (the protocol and the summaries it records).
+SOURCE_FILES = ("gates/protocol.py", "gates/sketch.py", "gates/recorder.py")
 
 
 def routing_digest(replay) -> str:
@@ -73,8 +74,9 @@ def environment() -> dict:
 
 def record_key(*, config: str, config_values: Mapping[str, Any], flags: Mapping[str, Any], precision: str,
                settings: Mapping[str, Any], seeds: Mapping[str, int], env: Mapping[str, Any], source_sha256: str,
-               replay=None) -> dict:
-    """The parts that determine a run record (``gates.record.key_digest`` hashes them)."""
+               replay=None, sketch: Mapping[str, Any] | None = None) -> dict:
+    """The parts that determine a run record (``gates.record.key_digest`` hashes them); ``sketch``: the record's
+    sketch spec (its width and seed decide the summaries)."""
     parts = {
         "kind": "run-record",
         "config": config,
@@ -85,6 +87,7 @@ def record_key(*, config: str, config_values: Mapping[str, Any], flags: Mapping[
         "seeds": seeds,
         "env": env,
         "source_sha256": source_sha256,
+        "sketch": dict(sketch) if sketch is not None else None,
     }
     if replay is not None:  # a replaying run depends on the routing it replays
         parts["routing_replay_sha256"] = routing_digest(replay)

@@ -3,31 +3,36 @@
 A ``RunRecord`` is everything the gates compare about one run of the protocol: the initial parameters and, per step,
 the loss, the per-token log-probs, the gradient (one array per parameter tensor, named by the "/".join of its dict
 keys), its global norm, the parameters after the update and the number of dropped tokens; plus metadata (config,
-flags, versions, device kind, seeds, the implementation of every op).
+flags, versions, device kind, seeds, the implementation of every op) and the step's summaries (gradient and update
+sketches, bit fingerprints, per-tensor gradient norms: ``gates.recorder.summaries``).
 
-``RecordCache`` stores records as ``<key>.npz`` (arrays) + ``<key>.json`` (the key's parts, metadata, the npz's
-sha256), both written atomically, the JSON last (it is the commit marker). The key is the sha256 of everything that
-determines the record (``gates.runner.Runner.key_parts``: config, flags, precision, protocol settings, seeds, versions,
-device kind and count, a hash of the reference/kernels/model sources). A missing, truncated, corrupted (checksum
-mismatch, unreadable) or stale (different key parts or format) entry is reported and recomputed, never trusted.
+On disk a record is a run directory in the one record format (``gates.records``, docs/records.md), the same format
+any trainer's recorder writes: ``RecordCache`` stores ``<root>/<key>/`` with meta.json (format, config, flags, seeds,
+batch, sketch spec, and in ``extra`` the key's parts and the record's metadata) and one step file pair per step
+(step 0: the initial parameters), full tensors included. The key is the sha256 of everything that determines the record
+(``gates.runner.Runner.key_parts``: config, flags, precision, protocol settings, seeds, versions, device kind and count,
+a hash of the reference/kernels/model sources). A missing, unfinished (not closed), corrupted (checksum mismatch,
+unreadable) or stale (different key parts or format) entry is reported and recomputed, never trusted; so is an entry
+in the previous format (``<key>.npz`` + ``<key>.json``), which is no longer read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import pathlib
+import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from nxgates.gates import atomic
+from nxgates.gates import records
+from nxgates.gates.sketch import SketchSpec, is_exact
 
-FORMAT_VERSION = 2  # 2: per-step routing (the experts used) and routing_mismatch
+FORMAT_VERSION = 3  # 2: per-step routing (the experts used) and routing_mismatch; 3: the record format of gates.records
 
 
 @dataclasses.dataclass
@@ -45,6 +50,7 @@ class StepRecord:
     dropped_tokens: int
     routing: np.ndarray | None = None
     routing_mismatch: int = 0
+    summaries: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # gates.recorder.summaries keys
 
 
 @dataclasses.dataclass
@@ -55,6 +61,7 @@ class RunRecord:
     steps: list[StepRecord]
     mask: np.ndarray
     metadata: dict[str, Any]
+    summaries0: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # of params0 (param_sketch, param_fp)
 
     @property
     def num_steps(self) -> int:
@@ -62,51 +69,6 @@ class RunRecord:
 
     def tensor_names(self) -> list[str]:
         return sorted(self.params0)
-
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        out = {"mask": self.mask}
-        for name, a in self.params0.items():
-            out[f"params0/{name}"] = a
-        for i, s in enumerate(self.steps):
-            out[f"step{i}/loss"] = np.asarray(s.loss)
-            out[f"step{i}/logp"] = s.logp
-            out[f"step{i}/grad_norm"] = np.asarray(s.grad_norm)
-            out[f"step{i}/dropped_tokens"] = np.asarray(s.dropped_tokens, np.int64)
-            out[f"step{i}/routing_mismatch"] = np.asarray(s.routing_mismatch, np.int64)
-            if s.routing is not None:
-                out[f"step{i}/routing"] = s.routing
-            for name, a in s.grads.items():
-                out[f"step{i}/grads/{name}"] = a
-            for name, a in s.params.items():
-                out[f"step{i}/params/{name}"] = a
-        return out
-
-    @classmethod
-    def from_arrays(cls, arrays: Mapping[str, np.ndarray], metadata: dict[str, Any]) -> RunRecord:
-        num_steps = int(metadata["num_steps"])
-        params0 = {k[len("params0/"):]: arrays[k] for k in arrays if k.startswith("params0/")}
-        steps = []
-        for i in range(num_steps):
-            g, p = f"step{i}/grads/", f"step{i}/params/"
-            steps.append(
-                StepRecord(
-                    loss=np.asarray(arrays[f"step{i}/loss"]),
-                    logp=np.asarray(arrays[f"step{i}/logp"]),
-                    grads={k[len(g):]: arrays[k] for k in arrays if k.startswith(g)},
-                    grad_norm=np.asarray(arrays[f"step{i}/grad_norm"]),
-                    params={k[len(p):]: arrays[k] for k in arrays if k.startswith(p)},
-                    dropped_tokens=int(arrays[f"step{i}/dropped_tokens"]),
-                    routing=np.asarray(arrays[f"step{i}/routing"]) if f"step{i}/routing" in arrays else None,
-                    routing_mismatch=int(arrays[f"step{i}/routing_mismatch"]),
-                )
-            )
-        rec = cls(params0=params0, steps=steps, mask=np.asarray(arrays["mask"]), metadata=metadata)
-        names = set(params0)
-        for i, s in enumerate(steps):
-            if set(s.grads) != names or set(s.params) != names:
-                raise ValueError(f"record: step {i} tensors differ from params0 "
-                                 f"({len(s.grads)} grads, {len(names)} params)")
-        return rec
 
 
 class CacheEntryInvalid(Exception):
@@ -121,64 +83,155 @@ def key_digest(key_parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json(key_parts).encode()).hexdigest()[:32]
 
 
-def _npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
+# ------------------------------------------------------------------------------------- RunRecord <-> the record format
+def ensure_summaries(rec: RunRecord, spec: SketchSpec | None = None) -> SketchSpec:
+    """Fill the summaries a record lacks (computed from its full tensors on the host) with ``spec`` (default: the
+    record's ``metadata["sketch"]``, else the default width and seed 0); returns the spec used."""
+    from nxgates.gates import recorder
+
+    spec = spec or (SketchSpec.from_json(rec.metadata["sketch"]) if rec.metadata.get("sketch") else SketchSpec())
+    summarize = recorder.jitted_summaries(spec.width, spec.seed)
+    if not rec.summaries0:
+        rec.summaries0 = _host(summarize(None, rec.params0))
+    prev = rec.params0
+    for s in rec.steps:
+        if not s.summaries:
+            s.summaries = _host(summarize(s.grads, s.params, prev_params=prev))
+        prev = s.params
+    rec.metadata["sketch"] = spec.to_json()
+    return spec
 
 
+def _host(tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in tree.items()}
+
+
+def step_arrays(rec: RunRecord) -> dict[int, dict[str, np.ndarray]]:
+    """{step: npz arrays} of a record in the record format (step 0: the initial parameters); full tensors included."""
+    out = {0: {**{f"param/{n}": a for n, a in rec.params0.items()}, **rec.summaries0}}
+    for i, s in enumerate(rec.steps):
+        arrays = {"loss": np.asarray(s.loss), "grad_norm": np.asarray(s.grad_norm), "log_probs": np.asarray(s.logp),
+                  "mask": np.asarray(rec.mask), "dropped_tokens": np.asarray(s.dropped_tokens, np.int64),
+                  "routing_mismatch": np.asarray(s.routing_mismatch, np.int64)}
+        if s.routing is not None:
+            arrays["routing"] = np.asarray(s.routing, np.int32)
+        arrays.update({f"grad/{n}": a for n, a in s.grads.items()})
+        arrays.update({f"param/{n}": a for n, a in s.params.items()})
+        arrays.update(s.summaries)
+        out[i + 1] = arrays
+    return out
+
+
+def record_meta(rec: RunRecord, spec: SketchSpec, key_parts: Mapping[str, Any] | None = None) -> dict:
+    """meta.json of a protocol record: the record format's fields, the RunRecord's metadata in ``extra``."""
+    md = dict(rec.metadata)
+    md["num_steps"] = rec.num_steps
+    env = md.get("env") or {}
+    meta = records.new_meta(
+        trainer="nxgates", config=md.get("config_values") or {"name": md.get("config")},
+        flags={**(md.get("flags") or {}), "precision": md.get("precision")},
+        versions={k: env[k] for k in ("python", "jax", "jaxlib", "numpy", "optax") if k in env},
+        device={k: env[k] for k in ("platform", "device_kind", "device_count") if k in env},
+        seeds=md.get("seeds") or {}, sketch=spec,
+        batch={"seed": md.get("batch_seed"), "mask_sha256": hashlib.sha256(np.asarray(rec.mask).tobytes()).hexdigest()},
+        extra={"config_name": md.get("config"), "metadata": json.loads(canonical_json(md)),
+               "key": None if key_parts is None else json.loads(canonical_json(key_parts))})
+    meta["tensors"] = {n: {"shape": list(a.shape), "dtype": str(a.dtype), "exact": is_exact(a.size, spec.width)}
+                       for n, a in sorted(rec.params0.items())}
+    meta["steps"] = list(range(1, rec.num_steps + 1))
+    return meta
+
+
+def write_run(rec: RunRecord, run_dir: str | os.PathLike, key_parts: Mapping[str, Any] | None = None) -> pathlib.Path:
+    """Write ``rec`` as a run directory (steps first, each atomically; meta.json with closed=True last)."""
+    spec = ensure_summaries(rec)
+    run_dir = pathlib.Path(run_dir)
+    meta = record_meta(rec, spec, key_parts)
+    meta["closed"] = False
+    records.write_meta(run_dir, meta)
+    for n, arrays in step_arrays(rec).items():
+        records.write_step(run_dir, n, arrays)
+    meta["closed"] = True
+    records.write_meta(run_dir, meta)
+    return run_dir
+
+
+def from_run(run: records.Run) -> RunRecord:
+    """The RunRecord of a run directory that holds full tensors (a protocol record); ValueError naming what is
+    missing otherwise."""
+    if 0 not in run.steps or not run.steps[0].group("param"):
+        raise ValueError(f"{run.path}: no full initial parameters (step 0 param/*): not a full record")
+    params0 = run.steps[0].group("param")
+    summary_groups = ("grad_sketch", "param_sketch", "update_sketch", "grad_fp", "param_fp", "grad_sq")
+    steps, mask = [], None
+    for n in run.step_numbers:
+        st = run.steps[n]
+        for field in ("loss", "grad_norm", "log_probs", "mask"):
+            if st.get(field) is None:
+                raise ValueError(f"{run.path}: step {n} has no {field}: not a full record")
+        mask = st.get("mask")
+        steps.append(StepRecord(
+            loss=st.get("loss"), logp=st.get("log_probs"), grads=st.group("grad"), grad_norm=st.get("grad_norm"),
+            params=st.group("param"), dropped_tokens=int(st.get("dropped_tokens") if st.get("dropped_tokens")
+                                                         is not None else 0),
+            routing=st.get("routing"), routing_mismatch=int(st.get("routing_mismatch") if st.get("routing_mismatch")
+                                                            is not None else 0),
+            summaries={k: a for k, a in st.arrays.items() if k.split("/", 1)[0] in summary_groups}))
+    md = dict((run.meta.get("extra") or {}).get("metadata") or {})
+    rec = RunRecord(params0=params0, steps=steps, mask=mask, metadata=md,
+                    summaries0={k: a for k, a in run.steps[0].arrays.items() if not k.startswith("param/")})
+    names = set(params0)
+    for i, s in enumerate(steps):
+        if set(s.grads) != names or set(s.params) != names:
+            raise ValueError(f"record: step {i} tensors differ from params0 ({len(s.grads)} grads, "
+                             f"{len(names)} params)")
+    return rec
+
+
+def to_run(rec: RunRecord, path: str = "<memory>") -> records.Run:
+    """The records.Run of a RunRecord, in memory (what ``write_run`` + ``records.load_run`` would give)."""
+    spec = ensure_summaries(rec)
+    steps = {n: records.Step(step=n, arrays=a) for n, a in step_arrays(rec).items()}
+    return records.Run(path=path, meta=record_meta(rec, spec), steps=steps, spec=spec)
+
+
+# --------------------------------------------------------------------------------------------------------------- cache
 class RecordCache:
-    """Records on disk under ``root`` (default ``$NXGATES_CACHE`` or ``.cache/gates``), keyed by their key parts."""
+    """Records on disk under ``root`` (default ``$NXGATES_CACHE`` or ``.cache/gates``), keyed by their key parts: one
+    run directory per record."""
 
     def __init__(self, root: str | os.PathLike | None = None, *, log: Callable[[str], None] | None = None):
         self.root = pathlib.Path(root or os.environ.get("NXGATES_CACHE", ".cache/gates"))
         self.log = log or (lambda msg: None)
 
-    def paths(self, key_parts: Mapping[str, Any]) -> tuple[pathlib.Path, pathlib.Path]:
-        d = key_digest(key_parts)
-        return self.root / f"{d}.npz", self.root / f"{d}.json"
+    def path(self, key_parts: Mapping[str, Any]) -> pathlib.Path:
+        return self.root / key_digest(key_parts)
 
     def store(self, key_parts: Mapping[str, Any], rec: RunRecord) -> pathlib.Path:
-        npz_path, json_path = self.paths(key_parts)
-        data = _npz_bytes(rec.to_arrays())
-        atomic.write_atomic(npz_path, lambda f: f.write(data))
-        meta = dict(rec.metadata)
-        meta["num_steps"] = rec.num_steps
-        atomic.write_json_atomic(
-            json_path,
-            {"format": FORMAT_VERSION, "key": json.loads(canonical_json(key_parts)), "metadata": meta,
-             "npz_sha256": hashlib.sha256(data).hexdigest(), "npz_bytes": len(data)},
-        )
-        return json_path
+        d = self.path(key_parts)
+        if d.exists():  # a damaged or stale entry: replaced as a whole
+            shutil.rmtree(d)
+        return write_run(rec, d, key_parts)
 
     def load(self, key_parts: Mapping[str, Any]) -> RunRecord:
         """The stored record for ``key_parts``; ``FileNotFoundError`` or ``CacheEntryInvalid`` (with the reason)."""
-        npz_path, json_path = self.paths(key_parts)
-        if not json_path.exists():
-            raise FileNotFoundError(json_path)
+        d = self.path(key_parts)
+        if not d.exists():
+            raise FileNotFoundError(d)
         try:
-            entry = json.loads(json_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CacheEntryInvalid(f"{json_path}: unreadable JSON ({e})") from e
-        if not isinstance(entry, dict) or entry.get("format") != FORMAT_VERSION:
-            fmt = entry.get("format") if isinstance(entry, dict) else "?"
-            raise CacheEntryInvalid(f"{json_path}: stale format {fmt}")
-        if entry.get("key") != json.loads(canonical_json(key_parts)):
-            raise CacheEntryInvalid(f"{json_path}: stale entry, its key parts differ from the requested ones")
+            run = records.load_run(d)
+        except records.RecordError as e:
+            raise CacheEntryInvalid(str(e)) from e
+        if run.meta.get("format_version") != FORMAT_VERSION:
+            raise CacheEntryInvalid(f"{d}: stale format {run.meta.get('format_version')}")
+        if not run.meta.get("closed"):
+            raise CacheEntryInvalid(f"{d}: unfinished entry (meta.json not closed)")
+        if (run.meta.get("extra") or {}).get("key") != json.loads(canonical_json(key_parts)):
+            raise CacheEntryInvalid(f"{d}: stale entry, its key parts differ from the requested ones")
         try:
-            data = npz_path.read_bytes()
-        except FileNotFoundError as e:
-            raise CacheEntryInvalid(f"{npz_path}: missing arrays") from e
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != entry.get("npz_sha256") or len(data) != entry.get("npz_bytes"):
-            raise CacheEntryInvalid(f"{npz_path}: checksum mismatch (sha256 {digest[:12]}.. != "
-                                    f"{str(entry.get('npz_sha256'))[:12]}..)")
-        try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-            return RunRecord.from_arrays(arrays, entry["metadata"])
+            return from_run(run)
         except Exception as e:  # noqa: BLE001 - any decoding failure means the entry is not to be trusted
-            raise CacheEntryInvalid(f"{npz_path}: undecodable ({type(e).__name__}: {e})") from e
+            raise CacheEntryInvalid(f"{d}: undecodable ({type(e).__name__}: {e})") from e
 
     def get_or_compute(
         self, key_parts: Mapping[str, Any], compute: Callable[[], RunRecord], *, label: str = "record"
@@ -187,7 +240,7 @@ class RecordCache:
         how = "computed"
         try:
             rec = self.load(key_parts)
-            self.log(f"{label}: cached ({self.paths(key_parts)[1]})")
+            self.log(f"{label}: cached ({self.path(key_parts)})")
             return rec, "cached"
         except FileNotFoundError:
             pass

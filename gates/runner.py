@@ -167,7 +167,8 @@ class Runner:
         """The cache key of the record of ``flags`` at ``precision`` replaying ``replay`` (``record_key``)."""
         return record_key(config=self.config_name, config_values=self.api.as_dict(self.cfg),
                           flags=self.api.as_dict(flags), precision=precision, settings=self.settings.as_dict(),
-                          seeds=self.seeds, env=self.env, source_sha256=self._src_hash, replay=replay)
+                          seeds=self.seeds, env=self.env, source_sha256=self._src_hash, replay=replay,
+                          sketch=protocol.DEFAULT_SKETCH.to_json())
 
     def compute(self, flags, precision: str, label: str, *, loss_fn=protocol.grpo_loss,
                 replay=None) -> record_lib.RunRecord:

@@ -211,3 +211,28 @@ def test_routing_replay_is_passed_per_step_and_recorded():
 
     with pytest.raises(ValueError, match="no routing_shape"):
         P.run_protocol(no_routing, params, batch, replay=replay)
+
+
+def test_protocol_writes_the_record_format_step_by_step(tmp_path):
+    """One format: run_protocol with a Recorder writes each step as it ends; the run directory reads back as the same
+    RunRecord (bits), and its in-step summaries (computed on the device arrays) equal the host record's."""
+    from nxgates.gates import compare, recorder, records, runner
+    from nxgates.gates import record as record_lib
+    from tests.gates import toy_model
+
+    r = runner.Runner("toy", api=toy_model.api(), use_cache=False, progress=None)
+    flags = r.flags_from({})
+    fn = r.api.build_log_probs(r.cfg, flags, precision="production", mesh=None)
+    with recorder.Recorder(tmp_path / "run", sketch_width=64, seed=1, full_tensors=True) as rec:
+        out = P.run_protocol(fn, r.params0(), r.batch, sketch=P.SketchSpec(width=64, seed=1), recorder=rec)
+    run = records.load_run(tmp_path / "run")
+    assert run.step_numbers == [1, 2, 3] and run.meta["closed"] and run.spec == P.SketchSpec(width=64, seed=1)
+    back = record_lib.from_run(run)
+    for a, b in zip(out.steps, back.steps, strict=True):
+        assert a.loss.tobytes() == b.loss.tobytes() and a.logp.tobytes() == b.logp.tobytes()
+        assert all(a.grads[n].tobytes() == b.grads[n].tobytes() for n in a.grads)
+        assert sorted(a.summaries) == sorted(b.summaries)
+        assert all(np.array_equal(a.summaries[k], b.summaries[k]) for k in a.summaries)
+    assert out.steps[0].summaries and "update_sketch/" in " ".join(out.steps[0].summaries)
+    rep = compare.compare(run, run, run, contract="exact")
+    assert rep.exit_code == 0 and rep.judged == ["N1", "N2", "N3", "N4", "N5", "N6"]

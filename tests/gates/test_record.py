@@ -85,16 +85,22 @@ def _truncate_json(js):
     js.write_text(js.read_text()[:40])
 
 
+def _edit_meta(js, fn):
+    meta = json.loads(js.read_text())
+    fn(meta)
+    js.write_text(json.dumps(meta))
+
+
 def _stale_key(js):
-    entry = json.loads(js.read_text())
-    entry["key"]["flags"] = {"a": False}
-    js.write_text(json.dumps(entry))
+    _edit_meta(js, lambda m: m["extra"]["key"].update(flags={"a": False}))
 
 
 def _old_format(js):
-    entry = json.loads(js.read_text())
-    entry["format"] = 0
-    js.write_text(json.dumps(entry))
+    _edit_meta(js, lambda m: m.update(format_version=2))
+
+
+def _unclosed(js):
+    _edit_meta(js, lambda m: m.update(closed=False))
 
 
 @pytest.mark.parametrize(
@@ -103,18 +109,21 @@ def _old_format(js):
         (lambda npz, js: _corrupt_npz(npz), "checksum mismatch"),
         (lambda npz, js: npz.write_bytes(npz.read_bytes()[:100]), "checksum mismatch"),
         (lambda npz, js: npz.unlink(), "missing arrays"),
-        (lambda npz, js: _truncate_json(js), "unreadable JSON"),
+        (lambda npz, js: _truncate_json(js), "corrupt meta.json"),
         (lambda npz, js: _stale_key(js), "stale entry"),
-        (lambda npz, js: _old_format(js), "stale format"),
+        (lambda npz, js: _old_format(js), "format_version=2 is not one"),
+        (lambda npz, js: _unclosed(js), "unfinished entry"),
+        (lambda npz, js: npz.with_suffix(".json").unlink(), "has no sidecar"),
     ],
-    ids=["flipped-byte", "truncated-npz", "missing-npz", "truncated-json", "stale-key", "old-format"],
+    ids=["flipped-byte", "truncated-npz", "missing-npz", "truncated-json", "stale-key", "old-format", "unclosed",
+         "torn-step"],
 )
 def test_damaged_entry_is_recomputed_not_trusted(tmp_path, damage, reason):
     good = synthetic_record(2)
     cache = R.RecordCache(tmp_path)
     cache.store(KEY, synthetic_record(9))  # what a damaged entry would have given
-    npz, js = cache.paths(KEY)
-    damage(npz, js)
+    d = cache.path(KEY)
+    damage(d / "steps" / "000002.npz", d / "meta.json")
     with pytest.raises(R.CacheEntryInvalid, match=reason):
         cache.load(KEY)
     compute = Counter(good)
@@ -127,10 +136,11 @@ def test_damaged_entry_is_recomputed_not_trusted(tmp_path, damage, reason):
 def test_checksum_covers_content_not_just_length(tmp_path):
     cache = R.RecordCache(tmp_path)
     cache.store(KEY, synthetic_record(4))
-    npz, _ = cache.paths(KEY)
-    other = R._npz_bytes(synthetic_record(5).to_arrays())
-    assert len(other) == npz.stat().st_size  # same layout, same size, other numbers
-    npz.write_bytes(other)
+    other = R.RecordCache(tmp_path / "other")
+    other.store(KEY, synthetic_record(5))
+    npz, npz_other = (c.path(KEY) / "steps" / "000002.npz" for c in (cache, other))
+    assert npz_other.stat().st_size == npz.stat().st_size  # same layout, same size, other numbers
+    npz.write_bytes(npz_other.read_bytes())
     with pytest.raises(R.CacheEntryInvalid, match="checksum mismatch"):
         cache.load(KEY)
 
@@ -138,4 +148,22 @@ def test_checksum_covers_content_not_just_length(tmp_path):
 def test_no_temporary_files_left_behind(tmp_path):
     cache = R.RecordCache(tmp_path)
     cache.store(KEY, synthetic_record(6))
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".npz"]
+    d = cache.path(KEY)
+    assert [p.name for p in tmp_path.iterdir()] == [d.name]
+    assert sorted(p.name for p in d.iterdir()) == ["meta.json", "steps"]
+    names = sorted(p.name for p in (d / "steps").iterdir())
+    assert names == [f"00000{i}.{e}" for i in range(4) for e in ("json", "npz")]
+
+
+def test_a_cached_record_is_a_run_in_the_record_format(tmp_path):
+    """One format: the cache's entry is what records.load_run reads and compare judges; the summaries are there."""
+    from nxgates.gates import compare, records
+
+    cache = R.RecordCache(tmp_path)
+    cache.store(KEY, synthetic_record(7, metadata={"config": "toy", "config_values": {"d": 4}, "batch_seed": 3}))
+    run = records.load_run(cache.path(KEY))
+    assert run.meta["trainer"] == "nxgates" and run.meta["config"] == {"d": 4} and run.step_numbers == [1, 2, 3]
+    assert run.steps[1].has_group("grad_sketch") and run.steps[1].has_group("update_sketch")
+    assert run.steps[1].has_group("grad_fp") and run.steps[0].has_group("param_fp")
+    rep = compare.compare(run, run, run, contract="exact")
+    assert rep.exit_code == 0 and rep.judged == ["N1", "N2", "N3", "N4", "N5", "N6"]
