@@ -46,6 +46,13 @@ class Bounds:
     source: str
 
     @classmethod
+    def for_run(cls, path) -> Bounds:
+        """The ``[explain]`` entry of the run's tolerance table, or of the repository's when that table has none."""
+        if path and "explain" in read_table(path):
+            return cls.load(path)
+        return cls.load()
+
+    @classmethod
     def load(cls, path=DEFAULT_TOLERANCES) -> Bounds:
         table = read_table(path)
         entry = table.get("explain")
@@ -270,7 +277,7 @@ def explain_spec(runner, spec, *, candidate_context=None, candidate_loss_fn=prot
                  bounds: Bounds | None = None) -> Explanation:
     """Explain ``spec`` (a ``gates.contracts.CheckSpec``) on ``runner``'s config."""
     t = time.perf_counter()
-    bounds = bounds or Bounds.load()
+    bounds = bounds or Bounds.for_run(getattr(runner.tolerances, "path", None))
     control_flags, candidate_flags = runner.resolve(spec)
     key = (runner.config_name, repr(runner.api.as_dict(control_flags)))
     progress = runner.progress

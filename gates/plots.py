@@ -1,8 +1,9 @@
 """Pictures for the reports (matplotlib, the optional ``plots`` extra): every function returns None without it.
 
-- ``explain_heatmap(explanation, path)``: layer x op, each tap's distance over its bound (the larger of the
-  candidate's distances to the control and to the reference, over the bound; the worst part of each cell), forward and
-  backward side by side, on a log color scale; cells over their bound are marked ``x``.
+- ``explain_heatmap(explanation, path)``: layer x op, each tap's distance over its bound: the candidate's distance to
+  the control over the control's own distance to the reference there (the bound against the control of a rounding
+  check; the worst part of each cell), forward and backward side by side, on a log color scale; cells over either of
+  their bounds (and, for an exact check, not bit-identical) are marked ``x``.
 - ``gate_curves(check, path)``: per gate, the metric against the control and against the float32 reference over the
   steps, with the bounds they are held to.
 """
@@ -54,7 +55,8 @@ def explain_heatmap(ex, path) -> pathlib.Path | None:
             if r.direction != direction:
                 continue
             i, j = wheres.index(r.where), ops.index(r.op + (f"[{r.label}]" if r.label else ""))
-            v = r.ratio if math.isfinite(r.ratio) else top
+            v = r.vs_control / max(r.control_vs_reference, ex.bounds.floor)
+            v = v if math.isfinite(v) else top
             grid[i, j] = np.nanmax([grid[i, j], min(max(v, floor), top)])
             over[i, j] |= r.over
         im = ax.imshow(np.ma.masked_invalid(grid), norm=LogNorm(floor, top), cmap="RdYlGn_r", aspect="auto")
@@ -63,7 +65,7 @@ def explain_heatmap(ex, path) -> pathlib.Path | None:
         ax.set_xticks(range(len(ops)), ops, rotation=70, fontsize=7)
         ax.set_yticks(range(len(wheres)), wheres, fontsize=7)
         ax.set_title(f"{direction} (step 1)", fontsize=9)
-    fig.colorbar(im, ax=axes[0].tolist(), label="max(rel vs control, rel vs reference) / bound", shrink=0.8)
+    fig.colorbar(im, ax=axes[0].tolist(), label="rel(candidate, control) / rel(control, reference)", shrink=0.8)
     first = ex.first
     fig.suptitle(f"explain {ex.check} ({ex.config}): " + (first.line() if first else "no tap over its bound"),
                  fontsize=8)
