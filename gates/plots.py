@@ -95,7 +95,12 @@ def gate_curves(check, path) -> pathlib.Path | None:
             if not r.passed:
                 ax.annotate("FAIL", (r.step, max(pos([r.vs_control, r.vs_reference]), default=0) or 1),
                             fontsize=7, color="red")
-        ax.set_yscale("log")
+        values = pos([r.vs_control for r in rs] + [r.vs_reference for r in rs])
+        if all(math.isnan(v) for v in values):  # a log axis shows nothing of an all-zero metric: say it
+            ax.text(0.5, 0.5, "0 against the control and\nthe reference at every step", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=7)
+        else:
+            ax.set_yscale("log")
         ax.set_xticks(steps)
         ax.set_xlabel("step")
         ax.set_title(f"{gate} {gates_lib.GATE_NAMES.get(gate, '')}", fontsize=9)
