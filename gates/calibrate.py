@@ -135,13 +135,48 @@ def default_benign(r: runner_lib.Runner) -> list[dict]:
     return found
 
 
+LENS_FLOOR_FACTOR = 2.0
+LENS_DIGITS = 2
+
+
+def derive_lens_tolerances(rows: list[dict]) -> dict[str, dict]:
+    """THE rule for the float32 lens's ``[lens.*]`` table from rows measured at ``precision="lens"`` (the control
+    and the benign reassociations on their own code paths in float32; the same row keys as ``derive_tolerances``).
+
+    Without bf16 rounding a correct flag differs from the float32 reference only by float32 reassociation. Per gate:
+    ``floor`` = ``LENS_FLOOR_FACTOR`` x the largest float32 distance to the reference of the control or any benign draw
+    at any step, rounded up to ``LENS_DIGITS`` significant digits (the reassociation noise, twice: one draw is one draw
+    of the noise); ``slack`` by ``slack_from_ratio`` over the steps where a benign draw exceeds the floor (none: the
+    floor 0.05); ``live_range`` = [0, floor] (a float32 control farther from the reference than the floor means the
+    float32 path itself moved: reported as an environment change)."""
+    out = {}
+    for g in gates_lib.GATES:
+        rs = [row for row in rows if row["gate"] == g]
+        if not rs:
+            continue
+        noise = max(max(row["control_vs_reference"], row["benign_vs_reference"] or 0.0) for row in rs)
+        floor = _round_up(LENS_FLOOR_FACTOR * noise, LENS_DIGITS) if noise > 0 else 0.0
+        uncovered = benign_ratios(rs, {g: floor})[g]
+        out[g] = {"floor": floor, "slack": slack_from_ratio(uncovered["ratio"]), "live_range": [0.0, floor],
+                  "noise_max": noise, "benign_ratio": uncovered["ratio"], "benign_ratio_step": uncovered["step"],
+                  "control_vs_reference_max": max(row["control_vs_reference"] for row in rs)}
+    return out
+
+
 def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *, cache_dir=None, progress=None,
-              repeat: bool = True) -> dict:
+              repeat: bool = True, lens: bool = False, draws: int | None = None) -> dict:
+    """The calibration runs (module docstring). ``lens``: the control and the benign draws at ``precision="lens"``
+    (the float32 lens; rows for ``derive_lens_tolerances``), no repeat. ``draws``: keep the first ``draws`` benign
+    draws (stated in the result)."""
     from nxgates.gates import record as record_lib
 
     progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
     r = runner_lib.Runner(config, api=api, cache=record_lib.RecordCache(cache_dir, log=progress), progress=progress)
     benigns = default_benign(r) if benign is None else ([benign] if isinstance(benign, dict) else list(benign))
+    if draws is not None:
+        if draws < 1:
+            raise BadInput(f"--draws {draws}: must be >= 1")
+        benigns = benigns[:draws]
     benign_flags = []
     for b in benigns:
         flags = r.flags_from(b)
@@ -150,11 +185,15 @@ def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *,
     control, _ = r.shared_record(r.base_flags, "production", "control")
     replay = runner_lib.control_routing(control)  # the reference and the benign candidates replay the control's routing
     reference, _ = r.shared_record(r.base_flags, "reference", "reference", replay)
+    precision = "lens" if lens else "production"
+    if lens:  # the float32 control on its own code path: the lens's noise floor
+        control, _ = r.shared_record(r.base_flags, "lens", "control-lens", replay)
+        repeat = False
     again = r.compute(r.base_flags, "production", "control again (fresh)") if repeat else None
     # Through the record cache, keyed like any candidate: a benign tile that is also a tuned value is shared with
     # the gates' own check of it.
-    cands = [r.shared_record(f, "production", f"benign {b}", replay)[0] for b, f in zip(benigns, benign_flags,
-                                                                                         strict=True)]
+    cands = [r.shared_record(f, precision, f"benign {b}", replay)[0] for b, f in zip(benigns, benign_flags,
+                                                                                      strict=True)]
     rows = []
     for i in range(control.num_steps):
         for g in gates_lib.GATES:
@@ -170,8 +209,8 @@ def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *,
                 "control_again_vs_control": gates_lib.metric(g, again, control, i).value if again else None,
                 "control_reproducible_bits": gates_lib.bit_identical(g, again, control, i) if again else None,
             })
-    proposed = derive_tolerances(rows)
-    return {"config": config, "benign": benigns, "env": r.env, "rows": rows, "proposed": proposed,
+    proposed = derive_lens_tolerances(rows) if lens else derive_tolerances(rows)
+    return {"config": config, "lens": lens, "benign": benigns, "env": r.env, "rows": rows, "proposed": proposed,
             "slack_rule": f"slack = max({SLACK_FLOOR}, {SLACK_FACTOR} * (max over the steps where m(benign, ref) > rel "
                           f"of m(benign, ref) / m(control, ref) - 1)) rounded up to {SLACK_STEP}",
             "preconditions": gates_lib.preconditions(
@@ -182,8 +221,10 @@ def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *,
 
 def main(args, api, benign: dict | None = None) -> int:
     """``nxgates calibrate``: ``benign`` is the parsed ``--benign k=v ...`` (None: ``default_benign``)."""
-    res = calibrate(args.config, api, benign, cache_dir=args.cache_dir, repeat=not args.no_repeat)
-    atomic.write_json_atomic(f"{args.out}/calibration.json", res)
+    lens = bool(getattr(args, "lens", False))
+    res = calibrate(args.config, api, benign, cache_dir=args.cache_dir, repeat=not args.no_repeat, lens=lens,
+                    draws=getattr(args, "draws", None))
+    atomic.write_json_atomic(f"{args.out}/calibration{'-lens' if lens else ''}.json", res)
     if args.json:
         print(json.dumps(res, indent=2, default=str))
         return 0
@@ -194,6 +235,14 @@ def main(args, api, benign: dict | None = None) -> int:
     print(tabulate(fmt, headers="keys", tablefmt="simple", disable_numparse=True))
     for p in res["preconditions"]:
         print(f"precondition failed: {p}")
+    if lens:
+        print("proposed [lens.*] values (gates/calibrate.py derive_lens_tolerances; source: `python -m nxgates "
+              f"calibrate --lens --config {res['config']}`):")
+        print(tabulate([[g, f"{v['noise_max']:.3e}", f"{v['floor']:.2g}", f"{v['slack']:.2f}"]
+                        for g, v in res["proposed"].items()],
+                       headers=["gate", "max float32 distance to ref", "floor", "slack"], tablefmt="simple",
+                       disable_numparse=True))
+        return 0
     print(f"slack rule: {res['slack_rule']}")
     print("proposed [gates.*] values (source: `python -m nxgates calibrate --config " + res["config"] + "`):")
     prop = [[g, f"{v['control_vs_reference_max']:.3e}",

@@ -96,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--benign", nargs="+", action="extend", metavar="K=V",
                      help="the benign reassociation (default: the first k-tile key halved)")
     cal.add_argument("--no-repeat", action="store_true", help="skip the second control run (reproducibility check)")
+    cal.add_argument("--lens", action="store_true", help="calibrate the float32 lens ([lens.*]) instead")
+    cal.add_argument("--draws", type=int, default=None, help="keep the first N benign draws")
     lf = sub.add_parser("list-flags", help="tuning flags, contracts, control and tuned values")
     lf.add_argument("--config", default="tiny")
     lf.add_argument("--json", action="store_true")

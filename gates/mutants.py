@@ -2,9 +2,13 @@
 
 Each mutant injects one bug into the candidate run, through ``model.ops.override`` (a wrong implementation of one op,
 traced only while the candidate is built) or through the protocol's loss, on the code path of the flag it names (the
-flag and its prerequisite tuning flags are on in the candidate). Each declares, before it runs, the gates it must fail
-and why; the session passes only if every mutant fails exactly those gates (a gate "fails" when it fails at any
-step, against the control or against the reference pair).
+flag and its prerequisite tuning flags are on in the candidate). Each declares, before it runs, per lens (the bf16 gates
+and, for a rounding check, the float32 lens), the gates it MUST fail (clear of the bound, with the margin stated) and
+the gates it MAY fail (near a bound, with the reason); a mutant passes when, in each lens, it fails every must-gate and
+no gate outside must + may (a gate "fails" when it fails at any step, against the control or against the reference
+pair). A prediction of the exact set would flip whenever a metric sits within 1% of its bound (issue 15: another
+machine's N2 for ``gmm_group_boundary_off_by_one``); must/may does not. The measured clearance of every failed gate
+(the largest metric / bound over the steps and both sides) is reported next to the declaration.
 
 Why N1 passes for every bug outside the loss: the loss value depends only on the advantages and the completion mask
 (the ratio is exactly 1), so a wrong forward or backward cannot move it; only a wrong loss can.
@@ -21,6 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -31,20 +36,56 @@ import jax.numpy as jnp
 from nxgates.gates import atomic, contracts, protocol
 from nxgates.gates import gates as gates_lib
 
-ALL_BUT_N1 = frozenset({"N2", "N3", "N4", "N5", "N6"})
+ALL_BUT_N1 = ("N2", "N3", "N4", "N5", "N6")
+EXACT = "any changed bit fails an exact gate (bound 0)"
+
+
+def _all(gates, margin: str) -> dict[str, str]:
+    return {g: margin for g in gates}
 
 
 @dataclasses.dataclass(frozen=True)
 class Mutant:
-    """One deliberately wrong variant: its bug, the flag path it lives on, and the gates it must fail."""
+    """One deliberately wrong variant: its bug, the flag path it lives on, and per lens the gates it must and may fail.
+
+    ``must``: gate -> the stated margin by which it clears its bound; ``may``: gate -> why it sits near a bound (a
+    may-gate must carry its reason). ``lens_must`` / ``lens_may``: the same for the float32 lens (None: the lens does
+    not run, an ``exact`` check)."""
 
     name: str
     bug: str
     flags: dict  # tuning flags turned on in the candidate (prerequisites are added by the model's closure)
-    expect_fail: frozenset[str]
+    must: dict
     why: str
     overrides: Callable[[object, object], list[tuple[str, Callable]]] = lambda cfg, flags: []  # (op name, fn)
     loss_fn: Callable | None = None
+    may: dict = dataclasses.field(default_factory=dict)
+    lens_must: dict | None = None
+    lens_may: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for label, decl in (("must", self.must), ("may", self.may), ("lens_must", self.lens_must or {}),
+                            ("lens_may", self.lens_may)):
+            bad = [g for g in decl if g not in gates_lib.GATES]
+            if bad:
+                raise ValueError(f"mutant {self.name}: {label} names {bad}, not gates {gates_lib.GATES}")
+            if label.endswith("may") and not all(isinstance(r, str) and r.strip() for r in decl.values()):
+                raise ValueError(f"mutant {self.name}: every {label} gate needs its reason (got {decl!r})")
+        for a, b in ((self.must, self.may), (self.lens_must or {}, self.lens_may)):
+            if set(a) & set(b):
+                raise ValueError(f"mutant {self.name}: gates {sorted(set(a) & set(b))} are both must and may")
+        if not self.must and not self.lens_must:
+            raise ValueError(f"mutant {self.name}: declares no gate it must fail in either lens")
+
+    @property
+    def expect_fail(self) -> frozenset[str]:  # the bf16 must-gates (the name the reports used before must/may)
+        return frozenset(self.must)
+
+
+def verdict(must, may, failed) -> bool:
+    """must/may semantics: every must-gate failed, and nothing failed outside must + may."""
+    failed = frozenset(failed)
+    return set(must) <= failed and failed <= set(must) | set(may)
 
 
 # ------------------------------------------------------------------------------------------------ moe_mlp helpers
@@ -179,6 +220,41 @@ def _fold_skipping_a_chunk(name):
     return make
 
 
+def _swiglu_swish_beta(cfg, flags):
+    from nxgates import reference
+
+    def moe_mlp_swiglu_swish_beta(x, wi, wo, group_sizes, route_weights):
+        # A wrong constant in the fused SwiGLU epilogue: silu(gate) = gate * sigmoid(beta * gate) with beta = 1 + 2^-7
+        # instead of 1. float32 composition of the references otherwise (output in x's dtype).
+        f = wo.shape[1]
+        gate_up = reference.gmm(x, wi, group_sizes)  # [m, 2F]
+        gate, up = gate_up[:, :f], gate_up[:, f:]
+        h = gate * jax.nn.sigmoid((1.0 + 2.0**-7) * gate) * up * route_weights.astype(jnp.float32)[:, None]
+        return reference.gmm(h, wo, group_sizes).astype(x.dtype)
+
+    return [("moe_mlp", moe_mlp_swiglu_swish_beta)]
+
+
+def _d_route_stale_scale(cfg, flags):
+    def edit(primals, dy, grads):
+        # A stale normalization constant: d_route = (1 - 2^-6) * rowsum(g * h).
+        dx, dwi, dwo, dr = grads
+        return dx, dwi, dwo, (dr.astype(jnp.float32) * (1.0 - 2.0**-6)).astype(dr.dtype)
+
+    return [("moe_mlp", _with_backward_edit(_real_moe_mlp(flags), edit, "moe_mlp_d_route_stale_scale"))]
+
+
+def _m_scan_damped(cfg, flags):
+    from nxgates.kernels.gdn import context_parallel
+
+    def gdn_cp_fold_damped(m, b):
+        # Every chunk map's decay part scaled by 1 - 2^-10 (a wrong constant): the state handed across context
+        # ranks forgets slightly too fast.
+        return context_parallel.fold_tree(m * (1.0 - 2.0**-10), b)
+
+    return [("gdn_cp_fold", gdn_cp_fold_damped)]
+
+
 def _loss_wrong_count(logp, old_logp, advantages, mask, *, ratio_clip=None):
     """The GRPO loss normalized by every token (B * (S-1)) instead of the completion tokens."""
     full = protocol.grpo_loss(logp, old_logp, advantages, mask, ratio_clip=ratio_clip)
@@ -186,70 +262,116 @@ def _loss_wrong_count(logp, old_logp, advantages, mask, *, ratio_clip=None):
     return full * jnp.sum(mask) / mask.size
 
 
-# Predictions (the gates each mutant must fail), written before the mutants ran against the table calibrated on
-# 2026-12-02 17:47 UTC (per-step rel = the control's distance to the float32 reference, slack from twelve benign k-tile
-# reassociations; routing replayed from the control). Where an expected effect sits near a bound, its "why" says so.
-# Two predictions were corrected after their first run; what was declared, and why it was wrong: docs/mutants.md.
+# Predictions, written before the mutants ran: the bf16 must/may from the table calibrated on 2026-12-02 17:47 UTC and
+# the routing-replay measurements quoted in each "why" (margins: the measured metric / bound); the float32 lens's from
+# the lens's bounds (float32 reassociation noise, ~1e-6 relative, gates/calibrate.py derive_lens_tolerances): any
+# logic error well above that fails the gates it reaches. Corrections of earlier predictions: docs/mutants.md.
+_STEPS_2_3 = ("steps 2-3 log-probs move only through the wrong updates (AdamW, lr 1e-5): far below bf16, near float32 "
+              "noise")
+_N6_LENS = ("AdamW's first updates are ~lr * sign(g): the update moves where the gradient's sign flips, which "
+            "depends on how many elements sit near 0; its float32 bound may or may not be crossed")
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("dswiglu_missing_factor", "fused dSwiGLU epilogue drops the (1 + gate * (1 - s)) factor of silu'",
-           {"moe_wo_gmm_fused_dswiglu": True}, frozenset({"N3", "N4", "N5", "N6"}),
+           {"moe_wo_gmm_fused_dswiglu": True},
+           {"N3": "the norm moves by the missing factor, well over 2e-3",
+            "N4": "an error as large as bf16's, independent of it: ~sqrt(2) = 1.41 x the control's distance vs 1.05",
+            "N5": "the routers and the decay parameters move more than the control's own distance",
+            "N6": "the update's signs follow the wrong gradient"},
            "every expert's d_gate and, through dx, every earlier layer's gradient is wrong by an error about as large "
-           "as bf16's own (measured without routing replay: 3.7e-2 from the control at step 1), independent of it: "
-           "about sqrt(2) x the control's distance to the float32 reference (N4, slack 0.05), the gradient norm moves "
-           "(N3), the routers and the decay parameters more than the control's own distance (N5); the update's signs "
-           "follow the gradient's (N6). The forward is untouched at step 1 and moves only through the updates (N2 "
-           "passes)", overrides=_dswiglu_missing_factor),
+           "as bf16's own (measured without routing replay: 3.7e-2 from the control at step 1), independent of it. "
+           "The forward is untouched at step 1 and moves only through the updates (N2 passes in bf16)",
+           overrides=_dswiglu_missing_factor,
+           lens_must=_all(("N3", "N4", "N5"), "an error ~bf16's size against float32 noise (~1e-6)"),
+           lens_may={"N2": _STEPS_2_3, "N6": _N6_LENS}),
     Mutant("d_route_weighted", "the router gradient from the weighted gradient: rowsum(r * g * h) for rowsum(g * h)",
-           {"moe_router_grad_from_wo_input": True}, frozenset({"N3", "N4", "N5", "N6"}),
-           "the routers' gradient shrinks by the routing weight (top-2 renormalized, ~1/2): the router tensors move "
-           "~0.5 from the control, far past their bound (N5), and the norm moves (N3); the wrong router gradient also "
-           "flows into every earlier layer through the router's input, an error independent of bf16's that puts the "
-           "whole gradient 1.21-1.24 x the control's distance from the float32 reference (N4, slack 0.05), and the "
-           "routers' halved gradients reach AdamW's second moment, so the step-2 and step-3 updates lie 1.06-1.075 x "
-           "the control's distance (N6); the forward is untouched at step 1 and moves only through the updates (N2 "
-           "passes)",
-           overrides=_d_route_weighted),
+           {"moe_router_grad_from_wo_input": True},
+           {"N3": "the norm moves with the routers' halved gradient",
+            "N4": "1.21-1.24 x the control's distance from the reference vs 1.05 (clear by 15%)",
+            "N5": "the routers' gradient ~0.5 from the control, far past their bound"},
+           "the routers' gradient shrinks by the routing weight (top-2 renormalized, ~1/2) and flows into every "
+           "earlier layer through the router's input; the forward is untouched at step 1 (N2 passes in bf16)",
+           overrides=_d_route_weighted,
+           may={"N6": "the halved router gradients reach AdamW's second moment: the step-2/3 updates lie 1.06-1.075 x "
+                      "the control's distance vs the bound 1.05 (within 3%)"},
+           lens_must=_all(("N3", "N4", "N5"), "a ~50% error of the router tensors against float32 noise"),
+           lens_may={"N2": _STEPS_2_3, "N6": _N6_LENS}),
     Mutant("fp8_amax_per_shard", "gather8 takes each fsdp shard's own absmax instead of the global one",
-           {"fp8_fake_quant_hoist": "gather8"}, ALL_BUT_N1,
+           {"fp8_fake_quant_hoist": "gather8"}, _all(ALL_BUT_N1, EXACT),
            "other fp8 scales change the forward weights; the flag is exact, so every changed bit fails",
            overrides=_amax_per_shard),
     Mutant("hoisted_ids_off_by_one", "hoisted load-balanced positions of the mirrored chunk off by one",
-           {"context_parallel_attention_load_balance_hoist_ids": True}, ALL_BUT_N1,
+           {"context_parallel_attention_load_balance_hoist_ids": True}, _all(ALL_BUT_N1, EXACT),
            "attention sees one token too many and rotates by the wrong angle; the flag is exact",
            overrides=_hoisted_ids_off_by_one),
     Mutant("m_scan_skips_a_chunk", "the GDN CP fold composes every chunk map but one",
-           {"gdn_cp_m_scan": True}, frozenset({"N2", "N4", "N5", "N6"}),
-           "the state handed to the next context rank is wrong: the forward of its tokens changes (N2) and with it "
-           "every gradient (N4, N5) by much more than rounding (measured without replay: 0.13 from the control at "
-           "step 1); with routing replayed, the update's sign flips are the control's but for those the bug causes "
-           "(N6, slack 0.05). The wrong state changes the gradient's direction (9.2e-2 from the control, 2.6 x the "
-           "control's distance from the reference) but not its length: the norm stays within 4.3e-4 of the "
-           "control's, under N3's 2e-3 (N3 passes)",
-           overrides=_fold_skipping_a_chunk("gdn_cp_fold")),
+           {"gdn_cp_m_scan": True},
+           {"N2": "the forward of the next rank's tokens changes by much more than rounding",
+            "N4": "9.2e-2 from the control, 2.6 x the control's distance from the reference",
+            "N5": "every gradient moves by much more than rounding (0.13 from the control without replay)",
+            "N6": "the update's sign flips are the control's but for those the bug causes"},
+           "the state handed to the next context rank is wrong. The wrong state changes the gradient's direction but "
+           "not its length: the norm stays within 4.3e-4 of the control's, under N3's 2e-3 (N3 passes in bf16)",
+           overrides=_fold_skipping_a_chunk("gdn_cp_fold"),
+           lens_must=_all(("N2", "N3", "N4", "N5"), "a forward error far above float32 noise"),
+           lens_may={"N6": _N6_LENS}),
     Mutant("dh_scan_skips_a_chunk", "the backward GDN CP fold composes every transposed map but one",
-           {"gdn_cp_dh_scan": True}, frozenset({"N4"}),
+           {"gdn_cp_dh_scan": True}, {},
            "the state gradient handed back from rank 1 to rank 0 misses one chunk: a backward-only bug (N2 passes). "
-           "Measured in the routing-replay experiment (2026-12-02 17:33): its own error is ~0.4 x bf16's, so the whole "
-           "gradient lies 1.07-1.09 x the control's distance from the reference (N4 fails at slack 0.05: narrowly); "
-           "the decay parameters move most (1.17-1.20 x, under N5's calibrated slack 0.80), the norm by < 2e-3 "
-           "(N3) and the update's signs by less than rounding (N6, 1.02-1.035 x)",
-           overrides=_fold_skipping_a_chunk("gdn_cp_dh_fold")),
+           "Measured in the routing-replay experiment (2026-12-02 17:33): its own error is ~0.4 x bf16's; the decay "
+           "parameters move most (1.17-1.20 x, under N5's calibrated slack 0.80), the norm by < 2e-3 (N3) and the "
+           "update's signs by less than rounding (N6, 1.02-1.035 x). The bf16 gates cannot vouch for it; the float32 "
+           "lens must",
+           overrides=_fold_skipping_a_chunk("gdn_cp_dh_fold"),
+           may={"N4": "the whole gradient lies 1.07-1.09 x the control's distance from the reference vs the bound "
+                      "1.05: within 2-4% of it"},
+           lens_must=_all(("N3", "N4", "N5"), "a ~0.4 x bf16-sized gradient error against float32 noise"),
+           lens_may={"N2": _STEPS_2_3, "N6": _N6_LENS}),
     Mutant("gmm_group_boundary_off_by_one", "the GMM's group boundaries one row late",
-           {}, frozenset({"N4", "N5", "N6"}),
-           "one row per group boundary multiplies the wrong expert, forward and backward. Measured in the "
-           "routing-replay experiment (2026-12-02 17:33): the whole gradient 1.11-1.13 x the control's distance from "
-           "the reference (N4), the updates 1.11-1.21 x (N6), and the attention layer after the MoE at step 1 "
-           "1.43 x the control's own distance to the reference from the control (N5's bound against the control). "
-           "The log-probs move 1.09-1.10 x (N2, under its calibrated slack 0.10: narrowly) and the norm by < 2e-3 (N3)",
-           overrides=_group_boundary_off_by_one),
+           {},
+           {"N4": "1.11-1.13 x the control's distance from the reference vs 1.05 (clear by 6-8%)",
+            "N5": "the attention layer after the MoE at step 1: 1.43 x the control's own distance (bound vs control)",
+            "N6": "the updates 1.11-1.21 x vs 1.05"},
+           "one row per group boundary multiplies the wrong expert, forward and backward (routing-replay experiment, "
+           "2026-12-02 17:33); the norm moves by < 2e-3 (N3)",
+           overrides=_group_boundary_off_by_one,
+           may={"N2": "the log-probs move 1.09-1.10 x vs the slack 0.10: within 1% of the bound (failed on another "
+                      "machine, issue 15)"},
+           lens_must=_all(ALL_BUT_N1[:4], "a forward error far above float32 noise"), lens_may={"N6": _N6_LENS}),
     Mutant("swiglu_without_silu", "the fused SwiGLU epilogue writes gate * up (no silu)",
-           {"moe_wi_gmm_fused_swiglu": True}, ALL_BUT_N1,
-           "every routed expert's output is wrong", overrides=_swiglu_without_silu),
+           {"moe_wi_gmm_fused_swiglu": True}, _all(ALL_BUT_N1, "every routed expert's output is wrong: far past"),
+           "every routed expert's output is wrong", overrides=_swiglu_without_silu,
+           lens_must=_all(ALL_BUT_N1, "every routed expert's output is wrong: far past")),
     Mutant("loss_wrong_count", "the token-mean divides by every token instead of the completion tokens",
-           {}, frozenset({"N1", "N3", "N4", "N5"}),
-           "the loss and the gradient scale by count / (B * (S-1)); the global-norm clip (norm > 1) and AdamW's "
-           "scale invariance leave the updates, hence N6 and the later log-probs, within rounding",
-           loss_fn=_loss_wrong_count),
+           {}, {"N1": "the loss scales by count / (B * (S-1))", "N3": "so does the gradient norm",
+                "N4": "and the gradient", "N5": "and every tensor's gradient"},
+           "the global-norm clip (norm > 1) and AdamW's scale invariance leave the updates, hence N6 and the later "
+           "log-probs, within rounding", loss_fn=_loss_wrong_count,
+           lens_must=_all(("N1", "N3", "N4", "N5"), "the loss and the gradient scale"),
+           lens_may={"N2": _STEPS_2_3, "N6": "AdamW is scale invariant only up to its epsilon: the float32 updates may "
+                                             "differ above float32 noise"}),
+    # Below bf16's own error (issue 15, item 4): each moves the run by less than 0.2 x the control's distance to the
+    # float32 reference, so no bf16 gate can see it (sqrt(1 + 0.2^2) = 1.02 < 1.05); the float32 lens must catch it.
+    Mutant("swiglu_swish_beta", "the fused SwiGLU epilogue's silu uses sigmoid((1 + 2^-7) * gate)",
+           {"moe_wi_gmm_fused_swiglu": True}, {},
+           "a wrong constant: h moves by 2^-7 * gate * (1 - s) relative, ~1e-3 for gates ~0.2-0.5, systematic; the "
+           "gradient by ~1e-3 relative, under 0.2 x bf16's 3.7e-2 (N4)", overrides=_swiglu_swish_beta,
+           lens_must=_all(("N2", "N3", "N4", "N5"), "~1e-3 relative against float32 noise (~1e-6)"),
+           lens_may={"N6": _N6_LENS}),
+    Mutant("d_route_stale_scale", "the router gradient scaled by a stale constant 1 - 2^-6",
+           {"moe_router_grad_from_wo_input": True}, {},
+           "the routers' gradient moves by 1.6% (N5's bound against the control, the worst tensor's own bf16 distance, "
+           "is 7e-2 or more); the rest of the gradient through the router's input by much less",
+           overrides=_d_route_stale_scale,
+           lens_must=_all(("N4", "N5"), "the routers' gradient 1.6% off against float32 noise"),
+           lens_may={"N2": _STEPS_2_3, "N3": "the routers are a small part of the norm: 1.6% of their share may sit "
+                                             "near the float32 floor", "N6": _N6_LENS}),
+    Mutant("m_scan_damped", "the GDN CP forward fold scales every chunk map's decay by 1 - 2^-10",
+           {"gdn_cp_m_scan": True}, {},
+           "a wrong constant: the state handed across context ranks is ~1e-3 too small, only for the tokens after "
+           "the first rank; the log-probs and gradients move far less than bf16's own error",
+           overrides=_m_scan_damped,
+           lens_must=_all(("N2", "N4", "N5"), "a ~1e-3 state error against float32 noise"),
+           lens_may={"N3": "the norm may move less than its float32 floor", "N6": _N6_LENS}),
 )
 
 
@@ -259,10 +381,23 @@ class MutantResult:
     contract: str
     failed: frozenset[str]
     check: object  # gates.runner.CheckResult
+    lens_failed: frozenset[str] | None = None  # None: the lens did not run
+
+    @property
+    def bf16_ok(self) -> bool:
+        return verdict(self.mutant.must, self.mutant.may, self.failed)
+
+    @property
+    def lens_ok(self) -> bool | None:
+        if self.mutant.lens_must is None:
+            return None if self.lens_failed is None else False  # an undeclared lens verdict is a mismatch
+        if self.lens_failed is None:
+            return False  # declared but the lens did not run
+        return verdict(self.mutant.lens_must, self.mutant.lens_may, self.lens_failed)
 
     @property
     def ok(self) -> bool:
-        return self.failed == self.mutant.expect_fail
+        return self.bf16_ok and self.lens_ok is not False
 
 
 @contextlib.contextmanager
@@ -274,8 +409,19 @@ def _overriding(api, pairs: list[tuple[str, Callable]]):
         yield
 
 
-def failed_gates(check) -> frozenset[str]:
-    return frozenset(r.gate for r in check.results if not r.passed)
+def failed_gates(check, lens: bool = False) -> frozenset[str] | None:
+    results = check.lens_results if lens else check.results
+    if results is None:
+        return None
+    return frozenset(r.gate for r in results if not r.passed)
+
+
+def clearance(results, gate: str) -> float:
+    """The largest metric / bound of ``gate`` over the steps and both sides (inf past a 0 bound; 0 when equal)."""
+    def ratio(x, b):
+        return (math.inf if x > 0 else 0.0) if b == 0 else x / b
+    return max((max(ratio(r.vs_control, r.bound_control), ratio(r.vs_reference, r.bound_reference))
+                for r in results if r.gate == gate), default=0.0)
 
 
 def run_mutants(config: str = "tiny", *, api=None, only=None, cache_dir=None, progress=None,
@@ -301,44 +447,66 @@ def run_mutants(config: str = "tiny", *, api=None, only=None, cache_dir=None, pr
         r.resolve(spec)
         specs.append(spec)
     for m in chosen:
-        progress(f"mutant {m.name}: {m.bug}; must fail {sorted(m.expect_fail)}")
+        progress(f"mutant {m.name}: {m.bug}; must fail {sorted(m.must)}, may fail {sorted(m.may)}; float32 lens: "
+                 f"{'n/a' if m.lens_must is None else f'must {sorted(m.lens_must)}, may {sorted(m.lens_may)}'}")
     results = []
     for m, spec in zip(chosen, specs, strict=True):
         _, candidate_flags = r.resolve(spec)
         # The overrides are entered only when run_check enters this context, around the candidate alone, and are
         # removed when it exits: the control and the float32 reference (computed, and cached, first) never see them.
         check = r.run_check(spec, candidate_loss_fn=m.loss_fn or protocol.grpo_loss,
-                            candidate_context=_overriding(r.api, m.overrides(r.cfg, candidate_flags)))
-        res = MutantResult(m, spec.contract, failed_gates(check), check)
+                            candidate_context=functools.partial(_overriding, r.api,
+                                                                m.overrides(r.cfg, candidate_flags)))
+        res = MutantResult(m, spec.contract, failed_gates(check), check, failed_gates(check, lens=True))
         impl = check.implementations["candidate"]
         injected = [op for op, _ in m.overrides(r.cfg, candidate_flags)]
         missing = [op for op in injected if not str(impl.get(op, "")).startswith("override:")]
         if missing:  # an override that never reached the trace proves nothing
             res.failed = frozenset({"override not traced: " + ", ".join(missing)})
         results.append(res)
-        progress(f"mutant {m.name}: failed {sorted(res.failed)}; expected {sorted(m.expect_fail)}: "
-                 f"{'OK' if res.ok else 'MISMATCH'} ({time.perf_counter() - r.t0:.0f}s)")
+        lens = "n/a" if res.lens_failed is None else sorted(res.lens_failed)
+        progress(f"mutant {m.name}: failed {sorted(res.failed)} (must {sorted(m.must)}, may {sorted(m.may)}); "
+                 f"float32 lens failed {lens}: {'OK' if res.ok else 'MISMATCH'} ({time.perf_counter() - r.t0:.0f}s)")
     return results
 
 
+def _decl(must, may) -> str:
+    return " ".join(sorted(must)) + (" | may " + " ".join(sorted(may)) if may else "")
+
+
+def _failed(results, failed) -> str:
+    if failed is None:
+        return "n/a"
+    return " ".join(f"{g}({clearance(results, g):.2f}x)" for g in sorted(failed)) or "-"
+
+
 def table(results: list[MutantResult]) -> str:
+    """One row per mutant: per lens the declaration (must | may), the failed gates with their measured clearance
+    (metric / bound), the verdict."""
     from tabulate import tabulate
 
     rows = []
     for res in results:
-        worst = {g: max((x.vs_control for x in res.check.results if x.gate == g), default=0.0)
-                 for g in gates_lib.GATES}
-        rows.append([res.mutant.name, res.contract, " ".join(sorted(res.mutant.expect_fail)),
-                     " ".join(sorted(res.failed)) or "-", "ok" if res.ok else "MISMATCH",
-                     " ".join(f"{g}={worst[g]:.1e}" for g in gates_lib.GATES)])
-    return tabulate(rows, headers=["mutant", "contract", "must fail", "failed", "verdict", "max m vs control"],
+        m = res.mutant
+        lens_decl = "n/a" if m.lens_must is None else _decl(m.lens_must, m.lens_may)
+        lens_ok = {None: "n/a", True: "ok", False: "MISMATCH"}[res.lens_ok]
+        rows.append([m.name, res.contract, _decl(m.must, m.may) or "-", _failed(res.check.results, res.failed),
+                     "ok" if res.bf16_ok else "MISMATCH", lens_decl,
+                     _failed(res.check.lens_results or (), res.lens_failed), lens_ok])
+    return tabulate(rows, headers=["mutant", "contract", "bf16 must | may", "bf16 failed (clearance)", "bf16",
+                                   "lens must | may", "lens failed (clearance)", "lens"],
                     tablefmt="simple", disable_numparse=True)
 
 
 def to_json(results: list[MutantResult]) -> list[dict]:
     return [{"name": r.mutant.name, "bug": r.mutant.bug, "flags": r.mutant.flags, "contract": r.contract,
-             "expect_fail": sorted(r.mutant.expect_fail), "failed": sorted(r.failed), "ok": r.ok, "why": r.mutant.why,
-             "gates": [g.as_dict() for g in r.check.results], "problems": r.check.problems} for r in results]
+             "must": r.mutant.must, "may": r.mutant.may, "lens_must": r.mutant.lens_must,
+             "lens_may": r.mutant.lens_may, "failed": sorted(r.failed),
+             "lens_failed": None if r.lens_failed is None else sorted(r.lens_failed), "bf16_ok": r.bf16_ok,
+             "lens_ok": r.lens_ok, "ok": r.ok, "why": r.mutant.why,
+             "gates": [g.as_dict() for g in r.check.results],
+             "lens_gates": [g.as_dict() for g in r.check.lens_results or ()], "problems": r.check.problems,
+             "lens_problems": r.check.lens_problems} for r in results]
 
 
 def main(args, api) -> int:
@@ -349,7 +517,7 @@ def main(args, api) -> int:
     else:
         print(table(results))
         bad = [r.mutant.name for r in results if not r.ok]
-        print(f"{'PASS' if not bad else 'FAIL'}: {len(results) - len(bad)}/{len(results)} mutants fail exactly their "
-              f"predicted gates" + (f"; mismatched: {', '.join(bad)}" if bad else ""))
+        print(f"{'PASS' if not bad else 'FAIL'}: {len(results) - len(bad)}/{len(results)} mutants fail every must-gate "
+              f"and nothing outside must + may, in both lenses" + (f"; mismatched: {', '.join(bad)}" if bad else ""))
     return 0 if all(r.ok for r in results) else 1
 

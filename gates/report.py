@@ -51,9 +51,10 @@ class Report:
 
     # ------------------------------------------------------------------------------------------------------ rows
     @staticmethod
-    def rows(check) -> list[list[str]]:
+    def rows(check, lens: bool = False) -> list[list[str]]:
+        """The bf16 gates' rows, or (``lens``) the float32 lens's (empty when the lens did not run)."""
         out = []
-        for r in check.results:
+        for r in (check.lens_results or []) if lens else check.results:
             bound_c = "0 (exact)" if check.spec.contract == "exact" else _fmt(r.bound_control)
             verdict = "pass" if r.passed else "FAIL"
             if not r.passed:
@@ -78,6 +79,14 @@ class Report:
         lines.append("  candidate flags: " + ", ".join(f"{k}={v}" for k, v in check.candidate_flags.items()))
         for p in check.problems:
             lines.append(f"  precondition failed: {p}")
+        lens_ok = getattr(check, "lens_passed", None)
+        lines.append("  float32 lens: " + ("not run (exact contract, or no [lens.*] bounds)" if lens_ok is None else
+                                           ("PASS" if lens_ok else "FAIL") + "; bf16 gates: "
+                                           + ("PASS" if getattr(check, "bf16_passed", check.passed) else "FAIL")))
+        for p in getattr(check, "lens_problems", ()):
+            lines.append(f"  float32 lens precondition failed: {p}")
+        for e in getattr(check, "environment", ()):
+            lines.append(f"  environment change (reported, not a failure): {e}")
         step = check.first_failing_step
         name, value = check.worst_tensor
         worst = f"{name} (gradient rel L2 {_fmt(value)})" if value > 0 else "none (every gradient tensor equal)"
@@ -101,6 +110,10 @@ class Report:
             parts.append("")
             parts += self.summary(c)
             parts.append(tabulate(self.rows(c), headers=HEADERS, tablefmt="simple", disable_numparse=True))
+            if self.rows(c, lens=True):
+                parts.append("float32 lens (the candidate's and the control's code paths in float32, same reference):")
+                parts.append(tabulate(self.rows(c, lens=True), headers=HEADERS, tablefmt="simple",
+                                      disable_numparse=True))
         if self.golden is not None:
             tag = "WARNING " if self.golden.failed else ""
             parts += ["", f"{tag}golden: {self.golden.status}: {self.golden.message}"]
@@ -131,6 +144,10 @@ class Report:
             if ex is not None and not isinstance(ex, str):
                 parts += ["<details><summary>every tap of the explanation (step 1)</summary>", "", "```",
                           ex.text(), "```", "", "</details>", ""]
+            if self.rows(c, lens=True):
+                parts += ["float32 lens:", "",
+                          tabulate(self.rows(c, lens=True), headers=HEADERS, tablefmt="github", disable_numparse=True),
+                          ""]
         if self.golden is not None:
             parts += [f"Golden: **{self.golden.status}**: {self.golden.message}", ""]
         return "\n".join(parts)
@@ -162,6 +179,10 @@ class Report:
                     "wall_s": c.wall_s,
                     "gates": [r.as_dict() for r in c.results],
                     "explanation": _explanation_json(getattr(c, "explanation", None)),
+                    "lens_passed": getattr(c, "lens_passed", None),
+                    "lens_gates": [r.as_dict() for r in getattr(c, "lens_results", None) or ()],
+                    "lens_problems": list(getattr(c, "lens_problems", ())),
+                    "environment": list(getattr(c, "environment", ())),
                 }
                 for c in self.checks
             ],

@@ -4,7 +4,11 @@ For each check (a ``gates.contracts.CheckSpec``): the control (config flags + th
 production precision) and the float32 reference (same flags, ``precision="reference"``) come from the record cache,
 computed once per (config, control flags) and reused by every candidate; the candidate (control + the check's flags) is
 cached the same way unless a mutant's override or loss is in effect (then always computed fresh); then the six
-gates. Every flag combination is parsed and validated before anything runs, so a refused combination costs no compile.
+gates. A ``rounding`` check also looks through the float32 lens: the control and the candidate again on their own code
+paths with float32 activations and weights (``precision="lens"``), gated against the same float32 reference with the
+``[lens.*]`` tolerances; the check passes only if both lenses pass (an ``exact`` check is bit-identity on the bf16
+path, which the lens cannot tighten). Every flag combination is parsed and validated before anything runs, so a
+refused combination costs no compile.
 
 The model is reached through a ``gates.model_api.ModelAPI``; a record's key is ``gates.provenance.record_key``; a
 whole run (the default checks or ``--flags``, the golden comparison, the report) is ``gates.suite.check``.
@@ -26,13 +30,20 @@ from nxgates.gates import record as record_lib
 from nxgates.gates.errors import BadInput
 from nxgates.gates.model_api import ModelAPI, default_model_api
 from nxgates.gates.provenance import environment, record_key, routing_digest, source_hash
-from nxgates.gates.tolerances import Tolerances, load_tolerances
+from nxgates.gates.tolerances import Tolerances, load_tolerances, read_table
 
 
 def control_routing(control: record_lib.RunRecord) -> list | None:
     """The control's per-step routing for the other runs to replay (None for a model without routing)."""
     routes = [s.routing for s in control.steps]
     return None if any(r is None for r in routes) else routes
+
+
+def _has_lens(path: str) -> bool:
+    try:
+        return "lens" in read_table(path)
+    except ValueError:  # a table given in memory (tests): no file to read [lens.*] from
+        return False
 
 
 def stderr(msg: str) -> None:
@@ -54,10 +65,30 @@ class CheckResult:
     routing_mismatch: dict = dataclasses.field(default_factory=dict)
     # A failing check's explanation (gates.explainer.Explanation, or a str saying why there is none); None: not asked.
     explanation: object = None
+    # The float32 lens (rounding checks; None when not run): the gates on the float32 control and candidate.
+    lens_results: list[gates_lib.GateResult] | None = None
+    lens_problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def bf16_passed(self) -> bool:
+        return not self.problems and all(r.passed for r in self.results)
+
+    @property
+    def lens_passed(self) -> bool | None:
+        """The float32 lens's verdict; None when the lens did not run (exact checks, ``lens=False``)."""
+        if self.lens_results is None:
+            return None
+        return not self.lens_problems and all(r.passed for r in self.lens_results)
 
     @property
     def passed(self) -> bool:
-        return not self.problems and all(r.passed for r in self.results)
+        return self.bf16_passed and self.lens_passed is not False
+
+    @property
+    def environment(self) -> list[str]:
+        """Live control-to-reference distances outside their calibrated ranges (reported, not failures)."""
+        lens = [f"lens {r.environment}" for r in self.lens_results or () if r.environment]
+        return [r.environment for r in self.results if r.environment] + lens
 
     @property
     def first_failing_step(self) -> int | None:
@@ -87,6 +118,8 @@ class Runner:
         use_cache: bool = True,
         tolerances: Tolerances | None = None,
         progress: Callable[[str], None] | None = stderr,
+        lens: bool | None = None,
+        lens_tolerances: Tolerances | None = None,
     ):
         self.api = api or default_model_api()
         self.config_name = config
@@ -96,6 +129,14 @@ class Runner:
         self.cache = cache or record_lib.RecordCache(log=self.progress)
         self.use_cache = use_cache
         self.tolerances = tolerances or load_tolerances()
+        # The float32 lens runs when asked, or by default when the table has its [lens.*] bounds (or they are given).
+        if lens is None:
+            lens = lens_tolerances is not None or _has_lens(self.tolerances.path)
+            if not lens:
+                self.progress(f"float32 lens off: no [lens.*] in {self.tolerances.path} "
+                              "(calibrate it: python -m nxgates calibrate --lens --config tiny)")
+        self.lens = lens
+        self._lens_tolerances = lens_tolerances
         self.base_flags = self.api.base_flags(self.cfg)
         self.env = environment()
         self.seeds = {"params": protocol.seed_for(f"{config}/params"), "batch": protocol.seed_for(f"{config}/batch")}
@@ -105,6 +146,13 @@ class Runner:
         self._records: dict[str, tuple[record_lib.RunRecord, str]] = {}
         self._src_hash = source_hash(self.api.source_dirs, extra=self.api.config_files(config))
         self.t0 = time.perf_counter()
+
+    @property
+    def lens_tolerances(self) -> Tolerances:
+        """``[lens.*]`` of the gate table's file (read on first use)."""
+        if self._lens_tolerances is None:
+            self._lens_tolerances = load_tolerances(self.tolerances.path, section="lens")
+        return self._lens_tolerances
 
     # ---------------------------------------------------------------------------------------------------- flags
     def flags_from(self, overrides: Mapping[str, Any], base=None):
@@ -211,8 +259,9 @@ class Runner:
     # ---------------------------------------------------------------------------------------------------- checks
     def run_check(self, spec: contracts_lib.CheckSpec, *, candidate_loss_fn=protocol.grpo_loss,
                   candidate_context=None) -> CheckResult:
-        """Control, reference, candidate, gates. ``candidate_context``: a context manager active while the candidate
-        is traced (the mutants inject through ``model.ops.override`` this way)."""
+        """Control, reference, candidate, gates (and the float32 lens for a rounding check). ``candidate_context``: a
+        context manager active while the candidate is traced (the mutants inject through ``model.ops.override`` this
+        way), or a zero-argument factory of one (called for each candidate trace: needed when the lens runs too)."""
         t = time.perf_counter()
         control_flags, candidate_flags = self.resolve(spec)
         control, how_c = self.shared_record(control_flags, "production", f"control[{spec.name}]")
@@ -220,19 +269,17 @@ class Runner:
         replay = control_routing(control)
         reference, how_r = self.shared_record(control_flags, "reference", f"reference[{spec.name}]", replay)
         label = f"candidate[{spec.name}]"
-        if candidate_context is None and candidate_loss_fn is protocol.grpo_loss:
-            # A plain candidate is determined by its key like the control: cached too (re-running a check after a
-            # tolerance edit costs no model run). A mutated one (override, loss) never goes near the cache.
-            candidate, how_cand = self.shared_record(candidate_flags, "production", label, replay)
-        elif candidate_context is None:
-            candidate = self.compute(candidate_flags, "production", label, loss_fn=candidate_loss_fn, replay=replay)
-            how_cand = "computed"
-        else:
-            with candidate_context:
-                candidate = self.compute(candidate_flags, "production", label, loss_fn=candidate_loss_fn,
-                                         replay=replay)
-            how_cand = "computed"
+        candidate, how_cand = self._candidate(candidate_flags, "production", label, candidate_loss_fn,
+                                              candidate_context, replay)
         results, problems = gates_lib.evaluate(candidate, control, reference, spec.contract, self.tolerances)
+        lens_results, lens_problems = None, []
+        if self.lens and spec.contract == "rounding":
+            lens_control, how_lc = self.shared_record(control_flags, "lens", f"control-lens[{spec.name}]", replay)
+            lens_candidate, how_lk = self._candidate(candidate_flags, "lens", f"candidate-lens[{spec.name}]",
+                                                     candidate_loss_fn, candidate_context, replay)
+            lens_results, lens_problems = gates_lib.evaluate(lens_candidate, lens_control, reference, spec.contract,
+                                                             self.lens_tolerances)
+            how_cand = {"candidate": how_cand, "control-lens": how_lc, "candidate-lens": how_lk}
         return CheckResult(
             spec=spec,
             control_flags=spec.control_overrides,
@@ -242,12 +289,28 @@ class Runner:
             implementations={"candidate": candidate.metadata.get("implementations", {}),
                              "control": control.metadata.get("implementations", {}),
                              "reference": reference.metadata.get("implementations", {})},
-            records={"control": how_c, "reference": how_r, "candidate": how_cand},
+            records={"control": how_c, "reference": how_r,
+                     **(how_cand if isinstance(how_cand, dict) else {"candidate": how_cand})},
             wall_s=round(time.perf_counter() - t, 2),
             routing_mismatch={} if replay is None else {
                 "candidate": [s.routing_mismatch for s in candidate.steps],
                 "reference": [s.routing_mismatch for s in reference.steps]},
+            lens_results=lens_results,
+            lens_problems=lens_problems,
         )
+
+    def _candidate(self, flags, precision: str, label: str, loss_fn, context, replay):
+        """The candidate's record at ``precision``: a plain candidate is determined by its key like the control, so
+        cached too (re-running a check after a tolerance edit costs no model run); a mutated one (override, loss) never
+        goes near the cache, and ``context`` is entered around its trace alone."""
+        if context is None and loss_fn is protocol.grpo_loss:
+            return self.shared_record(flags, precision, label, replay)
+        if context is None:
+            return self.compute(flags, precision, label, loss_fn=loss_fn, replay=replay), "computed"
+        if not hasattr(context, "__enter__"):
+            context = context()  # a factory: a fresh context for each trace (the bf16 candidate, then the lens)
+        with context:
+            return self.compute(flags, precision, label, loss_fn=loss_fn, replay=replay), "computed"
 
     def base_control(self) -> tuple[record_lib.RunRecord, str] | None:
         """The config's own control if this runner has it (for the golden comparison)."""

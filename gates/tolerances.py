@@ -1,7 +1,12 @@
 """The one reader of ``fixtures/tolerances.toml``: the gates' ``[gates.*]`` and the kernels' ``[kernels."<key>"]``.
 
-- ``load_tolerances(path)`` -> ``Tolerances``: ``[gates.N1]`` .. ``[gates.N6]`` (each: rel, slack, reason, source) and
-  ``[gates.golden]`` (rel, reason, source), for the six gates and the golden comparison.
+- ``load_tolerances(path)`` -> ``Tolerances``: ``[gates.N1]`` .. ``[gates.N6]`` (each: floor, slack, live_range, reason,
+  source) and ``[gates.golden]`` (rel, reason, source), for the six gates and the golden comparison;
+  ``load_tolerances(path, section="lens")``: ``[lens.N1]`` .. ``[lens.N6]``, the same fields for the float32 lens.
+  The bounds of a rounding gate come from the run's own live control-to-reference distance ``c``: against the control
+  ``max(floor, c)``, against the reference ``max(floor, (1 + slack) c)``; ``live_range`` is the calibrated range of
+  ``c`` (a live ``c`` outside it is reported as an environment change, never a failure by itself). A table written
+  before the floors (``rel = ...``, e.g. by ``calibrate-records``) is read with ``rel`` as the floor.
 - ``load_kernel_tolerances(path)`` -> ``{key: KernelTolerance}``: every ``[kernels."<key>"]`` entry (rel_l2, reason,
   source), for the per-kernel report; ``kernel_tolerance(key, path)`` -> one entry (``KeyError`` naming the key).
 
@@ -43,9 +48,10 @@ def _number(section: str, field: str, value) -> float:
 # ------------------------------------------------------------------------------------------------------------ gates
 @dataclasses.dataclass(frozen=True)
 class Tolerances:
-    """Per gate: ``tol[gate]`` (the rounding bound against the control, the floor of the reference bound): one number
-    for every step, or a tuple with one number per step (``tol_at``); ``slack[gate]`` (how much farther from the
-    float32 reference than the control a candidate may be)."""
+    """Per gate: ``tol[gate]``, the floor of both bounds (``floor``, or a legacy table's ``rel``): one number for every
+    step, or a tuple with one number per step (``tol_at``); ``slack[gate]`` (how much farther from the float32
+    reference than the control a candidate may be); ``live_range[gate]``: the calibrated range of the live
+    control-to-reference distance, ``(lo, hi)`` for every step or one pair per step (``live_range_at``), or absent."""
 
     tol: Mapping[str, float | tuple[float, ...]]
     slack: Mapping[str, float]
@@ -53,52 +59,99 @@ class Tolerances:
     reasons: Mapping[str, str]
     sources: Mapping[str, str]
     path: str
+    live_range: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    section: str = "gates"
 
     def tol_at(self, gate: str, step: int) -> float:
-        """The tolerance of ``gate`` at ``step`` (1-based); a per-step table must cover the step."""
+        """The floor of ``gate`` at ``step`` (1-based); a per-step table must cover the step."""
         t = self.tol[gate]
         if isinstance(t, (int, float)):
             return float(t)
         if not 1 <= step <= len(t):
-            raise ValueError(f"tolerances: [gates.{gate}] rel has {len(t)} per-step values, no value for step {step} "
-                             f"({self.path})")
+            raise ValueError(f"tolerances: [{self.section}.{gate}] floor has {len(t)} per-step values, no value for "
+                             f"step {step} ({self.path})")
         return float(t[step - 1])
 
+    def live_range_at(self, gate: str, step: int) -> tuple[float, float] | None:
+        """The calibrated ``(lo, hi)`` of m(control, reference) for ``gate`` at ``step``; None without a range."""
+        r = self.live_range.get(gate)
+        if r is None:
+            return None
+        if isinstance(r[0], (int, float)):
+            return float(r[0]), float(r[1])
+        if not 1 <= step <= len(r):
+            raise ValueError(f"tolerances: [{self.section}.{gate}] live_range has {len(r)} per-step ranges, none for "
+                             f"step {step} ({self.path})")
+        return float(r[step - 1][0]), float(r[step - 1][1])
 
-def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES) -> Tolerances:
-    """Read ``[gates.N1]`` .. ``[gates.N6]`` (each: rel, slack, reason, source) and ``[gates.golden]`` (rel, reason,
-    source). A missing section or key is refused with a ``ValueError`` naming it; so is the retired global
-    ``[gates.slack]`` (the slack is per gate: a global one would silently be ignored)."""
+
+def _pair(section: str, field: str, value) -> tuple[float, float]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"tolerances: [{section}] {field}={value!r} must be [lo, hi]")
+    lo, hi = (_number(section, f"{field}[{i}]", v) for i, v in enumerate(value))
+    if lo > hi:
+        raise ValueError(f"tolerances: [{section}] {field}={value!r} needs lo <= hi")
+    return lo, hi
+
+
+def _live_range(section: str, value) -> tuple:
+    """``[lo, hi]`` (every step) or ``[[lo, hi], ...]`` (one per step)."""
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        return tuple(_pair(section, f"live_range[{i}]", v) for i, v in enumerate(value))
+    return _pair(section, "live_range", value)
+
+
+SECTIONS = ("gates", "lens")
+
+
+def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES, section: str = "gates") -> Tolerances:
+    """Read ``[<section>.N1]`` .. ``[<section>.N6]`` (each: floor (or legacy rel), slack, reason, source; optional
+    live_range) and, for ``gates``, ``[gates.golden]`` (rel, reason, source). A missing section or key is refused with
+    a ``ValueError`` naming it; so is the retired global ``[gates.slack]`` (the slack is per gate: a global one would
+    silently be ignored)."""
+    if section not in SECTIONS:
+        raise ValueError(f"tolerances: section={section!r} must be one of {SECTIONS}")
     path = pathlib.Path(path)
     doc = read_table(path)
-    section = doc.get("gates")
-    if not isinstance(section, dict):
-        raise ValueError(f"tolerances: {path} has no [gates] section")
-    if "slack" in section:
-        raise ValueError(f"tolerances: [gates.slack] in {path} is not read: the slack is per gate "
-                         "([gates.N1] slack = ..., ... [gates.N6] slack = ...); remove it")
-    tol, slack, reasons, sources = {}, {}, {}, {}
-    for key in (*GATES, "golden"):
-        entry = section.get(key)
+    table = doc.get(section)
+    if not isinstance(table, dict):
+        raise ValueError(f"tolerances: {path} has no [{section}] section")
+    if "slack" in table:
+        raise ValueError(f"tolerances: [{section}.slack] in {path} is not read: the slack is per gate "
+                         f"([{section}.N1] slack = ..., ... [{section}.N6] slack = ...); remove it")
+    tol, slack, reasons, sources, live = {}, {}, {}, {}, {}
+    keys = (*GATES, "golden") if section == "gates" else GATES
+    for key in keys:
+        name = f"{section}.{key}"
+        entry = table.get(key)
         if not isinstance(entry, dict):
-            raise ValueError(f"tolerances: [gates.{key}] missing in {path}")
-        fields = ("rel", "slack") if key in GATES else ("rel",)
+            raise ValueError(f"tolerances: [{name}] missing in {path}")
+        if key in GATES:
+            if "floor" in entry and "rel" in entry:
+                raise ValueError(f"tolerances: [{name}] has both floor and rel in {path}; rel is the legacy name of "
+                                 "floor: keep one")
+            bound_field = "floor" if "floor" in entry or "rel" not in entry else "rel"
+            fields = (bound_field, "slack")
+        else:
+            bound_field, fields = "rel", ("rel",)
         for field in (*fields, "reason", "source"):
             if field not in entry:
-                raise ValueError(f"tolerances: [gates.{key}] needs {field!r} (got keys {sorted(entry)}) in {path}")
-        rel = entry["rel"]
+                raise ValueError(f"tolerances: [{name}] needs {field!r} (got keys {sorted(entry)}) in {path}")
+        rel = entry[bound_field]
         if isinstance(rel, list) and key in GATES:
             if not rel:
-                raise ValueError(f"tolerances: [gates.{key}] rel=[] needs one number per step in {path}")
-            tol[key] = tuple(_number(f"gates.{key}", f"rel[{i}]", v) for i, v in enumerate(rel))
+                raise ValueError(f"tolerances: [{name}] {bound_field}=[] needs one number per step in {path}")
+            tol[key] = tuple(_number(name, f"{bound_field}[{i}]", v) for i, v in enumerate(rel))
         else:
-            tol[key] = _number(f"gates.{key}", "rel", rel)
+            tol[key] = _number(name, bound_field, rel)
         if key in GATES:
-            slack[key] = _number(f"gates.{key}", "slack", entry["slack"])
+            slack[key] = _number(name, "slack", entry["slack"])
+            if "live_range" in entry:
+                live[key] = _live_range(name, entry["live_range"])
         reasons[key], sources[key] = str(entry["reason"]), str(entry["source"])
     return Tolerances(
-        tol={g: tol[g] for g in GATES}, slack=slack, golden_rel=tol["golden"], reasons=reasons,
-        sources=sources, path=str(path),
+        tol={g: tol[g] for g in GATES}, slack=slack, golden_rel=tol.get("golden", 0.0), reasons=reasons,
+        sources=sources, path=str(path), live_range=live, section=section,
     )
 
 

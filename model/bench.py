@@ -25,7 +25,7 @@ def _cpu_s() -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny")
-    parser.add_argument("--precision", default="production", choices=("production", "reference"))
+    parser.add_argument("--precision", default="production", choices=("production", "reference", "lens"))
     parser.add_argument("--flags", nargs="*", default=[], help="key=value overrides of the config's control flags")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)

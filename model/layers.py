@@ -6,7 +6,9 @@ choices (precision, mesh axis sizes, flags, sequence layout).
 
 Precision: ``Ctx.cdt`` is the compute dtype (bf16 in production: the f32 master weights are cast to bf16 before the
 gather, activations bf16, every matmul accumulates in f32; float32 in the reference, every matmul at HIGHEST). ``g``,
-``beta``, the norms, RoPE and the softmax are computed in float32 in both.
+``beta``, the norms, RoPE and the softmax are computed in float32 in both. The float32 lens (``precision="lens"``) takes
+the production code path (the kernels and fused paths the flags select) with float32 activations and weights, every
+matmul at HIGHEST: it differs from the reference only by float32 reassociation and by the code path's own logic.
 
 Sequence layout over ``context`` (C ranks): contiguous (rank r holds tokens ``[r S/C, (r+1) S/C)``) unless
 ``context_parallel_attention_load_balance``, where the residual stream is in the load-balanced ("zigzag") layout: the
@@ -90,7 +92,7 @@ class Ctx:
 
     dims: Dims
     flags: object
-    precision: str  # "production" | "reference"
+    precision: str  # "production" | "reference" | "lens" (model.transformer.PRECISIONS)
     fsdp: int
     context: int
     expert: int
@@ -121,12 +123,17 @@ class Ctx:
         return self.precision == "reference"
 
     @property
+    def lens(self) -> bool:
+        """The float32 lens: the production code path (its kernels, epilogues, folds, hoists, tiles) in float32."""
+        return self.precision == "lens"
+
+    @property
     def cdt(self):
-        return F32 if self.reference else jnp.bfloat16
+        return F32 if self.reference or self.lens else jnp.bfloat16
 
     def dot(self, eq: str, a, b, out_dtype=None):
         """einsum with float32 accumulation; output in ``out_dtype`` (default: the compute dtype)."""
-        prec = _HI if self.reference else None
+        prec = _HI if self.reference or self.lens else None
         y = jnp.einsum(eq, a.astype(self.cdt), b.astype(self.cdt), precision=prec, preferred_element_type=F32)
         return y.astype(self.cdt if out_dtype is None else out_dtype)
 

@@ -317,7 +317,7 @@ def _attention(q, k, v, positions, segment_ids, *, f32: bool):
         raise ValueError(f"attention: q heads {hq} must be a multiple of kv heads {hkv} (q.shape={q.shape})")
     q_pos, kv_pos = positions
     q_seg, kv_seg = segment_ids
-    prec = _HI if f32 else None
+    prec = _HI if f32 or q.dtype == jnp.float32 else None  # float32 inputs (the float32 lens): full precision
     q5 = q.reshape(b, sq, hkv, hq // hkv, dh)  # [B, Sq, Hkv, R, Dh]: the R query heads sharing one kv head
     if f32:
         q5, k, v = (x.astype(jnp.float32) for x in (q5, k, v))

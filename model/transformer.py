@@ -64,7 +64,7 @@ from nxgates.model.layers import (
 )
 from nxgates.model.moe import ROUTING_NAME, hoist_fp8, moe_block, moe_param_shapes
 
-PRECISIONS = ("production", "reference")
+PRECISIONS = ("production", "reference", "lens")
 # check_vma=False: the Pallas kernels' pallas_calls declare their outputs without a manual_axis_type, which
 # check_vma=True refuses. Without the varying-axes types, shard_map's transpose sums each input's cotangent over the
 # mesh axes its spec does not mention (context / expert for the weights): exactly the gradient of the replicated
@@ -175,7 +175,10 @@ def build_log_probs(cfg, flags, *, precision: str, mesh, explain: bool = False):
     """``fn(params, tokens) -> (logp [B, S-1] f32, {"dropped_tokens": int32})`` on ``mesh``; jittable, differentiable.
 
     ``precision="production"``: bf16 compute from the f32 master weights, f32 accumulation, the kernels the flags
-    select; ``"reference"``: float32 everywhere through the ``reference/`` ops (same layout and collectives).
+    select; ``"reference"``: float32 everywhere through the ``reference/`` ops (same layout and collectives);
+    ``"lens"``: the production code path (the same kernels, fused epilogues, folds, hoists and tiles) with float32
+    activations and weights, every matmul at HIGHEST. fp8 fake-quant keeps its e4m3 grid in the lens (the codes and
+    scales from the float32 master weights, as in the reference), so the hoist is compared like for like.
 
     ``explain=True`` (``gates.explain`` only; ``model/taps.py``): ``fn(params, tokens, routing, probes)`` also returns
     the taps' forward values in ``aux["taps"]`` (``{scope: {key: {part: [devices, ...]}}}``, layer scopes stacked per

@@ -241,28 +241,81 @@ def test_slack_is_per_gate_and_read_from_the_table(tmp_path: pathlib.Path, trio)
         assert r.bound_reference == pytest.approx((1 + t.slack[r.gate]) * r.control_vs_reference)
 
 
-def test_per_step_rel_bounds_each_step_by_its_own_value(tmp_path: pathlib.Path, trio):
-    """``rel = [a, b, c]``: step i's bound against the control is the i-th value; a run longer than the list, an
-    empty list or a negative entry is refused by name."""
+def test_per_step_floor_bounds_each_step_by_its_own_value(tmp_path: pathlib.Path, trio):
+    """``floor = [a, b, c]``: step i's bounds are at least the i-th value (above the live distance, the floor
+    decides); a run longer than the list, an empty list or a negative entry is refused by name."""
     control, reference = trio
-    cand = noisy(control, 1e-3, seed=11)
-    per_step = (1.0, 0.0, 1.0)  # step 2 demands bit-identity on every gate, the others allow anything
+    cand = noisy(control, 1e-2, seed=11)  # 10 x the control's distance to the reference
+    per_step = (1.0, 0.0, 1.0)  # step 2: the live bound alone, which this candidate exceeds; the others anything
     t = T.Tolerances(tol={g: per_step for g in G.GATES}, slack={g: 0.0 for g in G.GATES}, golden_rel=0.0,
                      reasons={}, sources={}, path="t")
     results, _ = G.evaluate(cand, control, reference, "rounding", t)
     assert {r.step for r in results if not r.passed_control} == {2}
-    assert all(r.bound_control == per_step[r.step - 1] for r in results)
-    with pytest.raises(ValueError, match=r"\[gates.N2\] rel has 3 per-step values, no value for step 4"):
+    assert all(r.bound_control == max(per_step[r.step - 1], r.control_vs_reference) for r in results)
+    with pytest.raises(ValueError, match=r"\[gates.N2\] floor has 3 per-step values, no value for step 4"):
         t.tol_at("N2", 4)
     good = T.DEFAULT_TOLERANCES.read_text()
     head, rest = good.split("[gates.N4]", 1)
     n4, tail = rest.split("[gates.N5]", 1)
-    for bad, msg in (("rel = []", r"rel=\[\] needs one number per step"), ("rel = [0.1, -1.0]", r"rel\[1\]=-1.0")):
-        body = "\n".join(bad if line.startswith("rel =") else line for line in n4.split("\n"))
+    for bad, msg in (("floor = []", r"floor=\[\] needs one number per step"),
+                     ("floor = [0.1, -1.0]", r"floor\[1\]=-1.0"),
+                     ("floor = 0.0\nrel = 0.0", "both floor and rel"),
+                     ("floor = 0.0\nlive_range = [2.0, 1.0]", "needs lo <= hi")):
+        body = "\n".join(bad if line.startswith("floor =") else line for line in n4.split("\n")
+                         if not line.startswith("live_range ="))
         p = tmp_path / "t.toml"
         p.write_text(head + "[gates.N4]" + body + "[gates.N5]" + tail)
         with pytest.raises(ValueError, match=msg):
             T.load_tolerances(p)
+
+
+def test_bounds_travel_with_the_live_control_distance(trio):
+    """Both bounds of a rounding gate follow the run's own m(control, reference): the same candidate-to-control
+    distance passes next to a reference far from the control and fails next to a close one (a deliberately wrong
+    candidate, 3 x the control's distance, fails every array gate)."""
+    control, _ = trio
+    zero = T.Tolerances(tol={g: 0.0 for g in G.GATES}, slack={g: 0.05 for g in G.GATES}, golden_rel=0.0,
+                        reasons={}, sources={}, path="t")
+    cand = noisy(control, 2e-4, seed=21)
+    far_ref, near_ref = noisy(control, 5e-3, seed=22), noisy(control, 5e-5, seed=23)
+    far, _ = G.evaluate(cand, control, far_ref, "rounding", zero)
+    near, _ = G.evaluate(cand, control, near_ref, "rounding", zero)
+    for r in far + near:
+        assert r.bound_control == r.control_vs_reference
+        assert r.bound_reference == pytest.approx(1.05 * r.control_vs_reference)
+    arrays = {"N4", "N6"}  # whole-run arrays (the synthetic log-probs are too few for a stable N2)
+    assert not failed_gates(far) & arrays
+    assert arrays <= failed_gates(near)
+    wrong = noisy(control, 3e-3, seed=24)
+    ref = noisy(control, 1e-3, seed=25)
+    results, _ = G.evaluate(wrong, control, ref, "rounding", zero)
+    assert arrays <= {r.gate for r in results if not r.passed_control and not r.passed_reference}
+
+
+def test_a_live_distance_outside_its_range_is_reported_not_failed(trio):
+    """``live_range``: a control-to-reference distance outside the calibrated range is an environment change, with the
+    numbers, and changes no verdict."""
+    control, reference = trio
+    cand = noisy(control, 1e-4, seed=31)
+    base = dict(tol={g: 0.0 for g in G.GATES}, slack={g: 0.05 for g in G.GATES}, golden_rel=0.0, reasons={},
+                sources={}, path="t")
+    plain, _ = G.evaluate(cand, control, reference, "rounding", T.Tolerances(**base))
+    ranged, _ = G.evaluate(cand, control, reference, "rounding",
+                           T.Tolerances(**base, live_range={"N4": (1.0, 2.0), "N2": (0.0, 1.0)}))
+    assert [r.passed for r in plain] == [r.passed for r in ranged]
+    n4 = [r for r in ranged if r.gate == "N4"]
+    assert all("outside the calibrated range [1.0000e+00, 2.0000e+00]" in r.environment for r in n4)
+    assert all(f"{r.control_vs_reference:.4e}" in r.environment for r in n4)
+    assert not any(r.environment for r in ranged if r.gate != "N4")
+
+
+def test_repository_table_has_live_ranges_and_floors():
+    t = T.load_tolerances()
+    assert t.tol["N3"] == 2e-3 and t.tol["N4"] == 0.0
+    for g in ("N2", "N3", "N4", "N5", "N6"):
+        for step in (1, 2, 3):
+            lo, hi = t.live_range_at(g, step)
+            assert 0 < lo < hi
 
 
 def test_missing_or_global_slack_is_refused(tmp_path: pathlib.Path):
@@ -284,8 +337,8 @@ def test_missing_or_global_slack_is_refused(tmp_path: pathlib.Path):
 def test_table_entries_missing_fields_are_refused(tmp_path: pathlib.Path):
     good = T.DEFAULT_TOLERANCES.read_text()
     p = tmp_path / "t.toml"
-    p.write_text(good.replace('[gates.N4]\nrel = ', '[gates.N4]\nrelx = '))
-    with pytest.raises(ValueError, match=r"\[gates.N4\] needs 'rel'"):
+    p.write_text(good.replace('[gates.N4]\nfloor = ', '[gates.N4]\nfloorx = '))
+    with pytest.raises(ValueError, match=r"\[gates.N4\] needs 'floor'"):
         T.load_tolerances(p)
     p.write_text(good.replace("[gates.N2]", "[gates.N2x]"))
     with pytest.raises(ValueError, match=r"\[gates.N2\] missing"):

@@ -1,5 +1,6 @@
-"""The mutant harness on the toy model: a mutant passes only when it fails exactly its predicted gates, and an
-override that never reaches the trace is reported, not counted. (The real mutants run in `nox -s mutants`.)
+"""The mutant harness on the toy model: a mutant passes only when, in each lens, it fails every must-gate and nothing
+outside must + may, and an override that never reaches the trace is reported, not counted. (The real mutants run in
+`nox -s mutants`.)
 
 Run: python -m pytest tests/gates/test_mutants.py -q
 """
@@ -7,6 +8,7 @@ Run: python -m pytest tests/gates/test_mutants.py -q
 from __future__ import annotations
 
 import jax
+import pytest
 
 from nxgates.gates import mutants as M
 from tests.gates import toy_model
@@ -20,17 +22,49 @@ def relu_override(cfg, flags):
 
 
 TOY_MUTANTS = (
-    M.Mutant("toy_loss_wrong_count", "token-mean over every token", {}, frozenset({"N1", "N3", "N4", "N5"}),
-             "loss and gradient scale; AdamW is scale invariant", loss_fn=M._loss_wrong_count),
+    M.Mutant("toy_loss_wrong_count", "token-mean over every token", {},
+             M._all(("N1", "N3", "N4", "N5"), "the loss and the gradient scale"),
+             "loss and gradient scale; AdamW is scale invariant", loss_fn=M._loss_wrong_count,
+             may={"N6": "AdamW's epsilon", "N2": "steps 2-3 through the updates"}),
     M.Mutant("toy_relu", "relu instead of silu on the exact flag's path", {"fp8_fake_quant_hoist": "gather8"},
-             M.ALL_BUT_N1, "forward changes; exact contract", overrides=relu_override),
+             M._all(M.ALL_BUT_N1, M.EXACT), "forward changes; exact contract", overrides=relu_override),
     M.Mutant("toy_relu_wrong_prediction", "same bug, prediction deliberately wrong",
              {"fp8_fake_quant_hoist": "gather8"},
-             frozenset({"N1"}), "wrong on purpose", overrides=relu_override),
+             {"N1": "wrong on purpose"}, "wrong on purpose", overrides=relu_override),
     M.Mutant("toy_untraced_override", "an override of an op the model never calls", {},
-             frozenset(), "must be reported as not traced",
+             {"N1": "never reached"}, "must be reported as not traced",
              overrides=lambda cfg, flags: [("not_an_op", lambda *a: None)]),
 )
+
+
+def test_must_may_semantics():
+    """A mutant passes when it fails every must-gate and nothing outside must + may; a may-gate needs its reason."""
+    must, may = {"N4": "1.3 x"}, {"N2": "within 1% of its bound"}
+    assert M.verdict(must, may, {"N4"}) and M.verdict(must, may, {"N4", "N2"})
+    assert not M.verdict(must, may, {"N2"})  # a must-gate passed
+    assert not M.verdict(must, may, {"N4", "N6"})  # a gate outside must + may failed
+    assert not M.verdict(must, may, set())
+    with pytest.raises(ValueError, match="needs its reason"):
+        M.Mutant("x", "bug", {}, {"N4": "m"}, "why", may={"N2": ""})
+    with pytest.raises(ValueError, match="both must and may"):
+        M.Mutant("x", "bug", {}, {"N4": "m"}, "why", may={"N4": "near"})
+    with pytest.raises(ValueError, match="not gates"):
+        M.Mutant("x", "bug", {}, {"N9": "m"}, "why")
+    with pytest.raises(ValueError, match="no gate it must fail"):
+        M.Mutant("x", "bug", {}, {}, "why", may={"N4": "near"})
+
+
+def test_mutant_result_needs_both_lenses():
+    """The bf16 verdict and the float32 lens's are separate: a lens that misses a must-gate fails the mutant, and a
+    lens verdict that was not declared (or a declared one that did not run) is a mismatch."""
+    m = M.Mutant("x", "bug", {"moe_wi_gmm_fused_swiglu": True}, {}, "why", may={"N4": "near"},
+                 lens_must={"N4": "far"}, lens_may={"N6": "sign flips"})
+    assert M.MutantResult(m, "rounding", frozenset(), None, frozenset({"N4", "N6"})).ok
+    assert not M.MutantResult(m, "rounding", frozenset({"N4"}), None, frozenset()).ok  # the lens missed N4
+    assert not M.MutantResult(m, "rounding", frozenset(), None, None).ok  # declared, not run
+    exact = M.Mutant("y", "bug", {}, {"N2": M.EXACT}, "why")
+    assert M.MutantResult(exact, "exact", frozenset({"N2"}), None, None).ok
+    assert not M.MutantResult(exact, "rounding", frozenset({"N2"}), None, frozenset()).ok  # lens ran, undeclared
 
 
 def test_mutant_verdicts(tmp_path, capsys):
@@ -41,7 +75,7 @@ def test_mutant_verdicts(tmp_path, capsys):
     assert relu.ok and relu.contract == "exact"
     assert relu.check.implementations["candidate"]["activation"] == "override:relu_instead_of_silu"
     wrong = results["toy_relu_wrong_prediction"]
-    assert not wrong.ok and wrong.failed == M.ALL_BUT_N1
+    assert not wrong.ok and wrong.failed == frozenset(M.ALL_BUT_N1)
     untraced = results["toy_untraced_override"]
     assert not untraced.ok and untraced.failed == frozenset({"override not traced: not_an_op"})
     text = M.table(list(results.values()))
@@ -53,7 +87,8 @@ def test_mutant_verdicts(tmp_path, capsys):
 def test_every_real_mutant_declares_its_gates():
     assert len(M.MUTANTS) >= 8 and len({m.name for m in M.MUTANTS}) == len(M.MUTANTS)
     for m in M.MUTANTS:
-        assert m.expect_fail and m.expect_fail <= set(M.gates_lib.GATES) and m.why
+        assert (m.must or m.lens_must) and set(m.must) <= set(M.gates_lib.GATES) and m.why
+        assert all(m.may.values()) and all(m.lens_may.values())  # every may-gate carries its reason
         assert (m.loss_fn is None) != (m.overrides is M.Mutant.overrides)  # one injection each
 
 

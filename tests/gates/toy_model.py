@@ -127,8 +127,9 @@ def override(name: str, fn):
 
 def build_log_probs(cfg: ToyConfig, flags: ToyFlags, *, precision: str, mesh=None):
     ref = precision == "reference"
-    dt = jnp.float32 if ref else jnp.bfloat16
-    prec = HI if ref else None
+    f32 = ref or precision == "lens"  # the float32 lens: the production path (tiles, fused MLP) in float32
+    dt = jnp.float32 if f32 else jnp.bfloat16
+    prec = HI if f32 else None
     act = _OVERRIDES.get("activation", jax.nn.silu)
     chosen = {"activation": f"override:{act.__name__}" if "activation" in _OVERRIDES else "silu",
               "mlp": "fused" if flags.moe_wi_gmm_fused_swiglu else "unfused"}
@@ -173,10 +174,10 @@ def build_log_probs(cfg: ToyConfig, flags: ToyFlags, *, precision: str, mesh=Non
         if ref:
             out = mm(h, params["mlp"]["w_out"])
         elif flags.moe_wi_gmm_fused_swiglu:  # fused: the f32 activation feeds the next product (no bf16 write)
-            w_out = params["mlp"]["w_out"].astype(jnp.bfloat16).astype(jnp.float32)
-            out = jnp.matmul(h, w_out, preferred_element_type=jnp.float32)
-        else:  # unfused: the activation is written to bf16 first
-            out = mm(h.astype(jnp.bfloat16), params["mlp"]["w_out"])
+            w_out = params["mlp"]["w_out"].astype(dt).astype(jnp.float32)
+            out = jnp.matmul(h, w_out, precision=prec, preferred_element_type=jnp.float32)
+        else:  # unfused: the activation is written to the compute dtype (bf16) first
+            out = mm(h.astype(dt), params["mlp"]["w_out"])
         y = (c.astype(jnp.float32) + out).astype(dt)  # [B, S, D]
         head = params["head"]
         if flags.fp8_fake_quant_hoist == "gather8":
