@@ -9,8 +9,13 @@ Public API (importing ``gates`` does not import jax, so ``python -m nxgates`` ca
     report.write("reports")            # reports/gates.json + reports/gates.md (atomic)
 
 ``gates.check(config, flags=None)`` with ``flags=None`` checks every registered flag alone and the tuned combination.
-Bad input (unknown config or flag, malformed value, refused combination) raises a ``ValueError`` subclass
-(``model.flags.ConfigError`` or ``gates.errors.BadInput``) naming the key and its value, before anything runs.
+Bad input (any argument of the wrong kind, unknown config or flag, malformed value, refused combination, unreadable
+tolerance table) raises a ``ValueError`` subclass (``model.flags.ConfigError`` or ``gates.errors.BadInput``) naming
+the key and its value, before anything runs. In a plain interpreter ``check`` asks XLA for the 8 host CPU devices the
+default mesh needs (``nxgates.devices.use_host_devices``); if jax already started with fewer, the ``RuntimeError``
+names what to set (``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``, or call
+``nxgates.devices.use_host_devices()`` before importing jax). Ctrl-C raises ``gates.suite.Interrupted`` (a
+``KeyboardInterrupt``) whose ``report`` holds the checks done, status "interrupted".
 """
 
 from __future__ import annotations

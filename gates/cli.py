@@ -29,7 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pathlib
+import re
+import shlex
+import signal
 import sys
+import tempfile
+import threading
 import time
 
 from nxgates.gates.errors import BadInput
@@ -133,10 +140,73 @@ def _record_module(command: str):
     return importlib.import_module(f"nxgates.gates.{RECORD_COMMANDS[command]}")
 
 
-def main(argv: list[str] | None = None, *, api=None) -> int:
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an interrupt so the run stops the same way (report marked, workers stopped)."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def ensure_writable(path, what: str) -> pathlib.Path:
+    """Create the folder ``path`` if needed and write (and remove) a probe file in it; ``BadInput`` naming ``what``,
+    the path and the reason otherwise. Run before anything is computed, so no result is lost at the end."""
+    if path is None or not str(path).strip():
+        raise BadInput(f"{what}={str(path)!r} must name a folder")
+    p = pathlib.Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".nxgates-write-probe.", dir=p)
+        os.close(fd)
+        os.unlink(probe)
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        if isinstance(e, FileExistsError) or (p.exists() and not p.is_dir()):
+            reason = "it is a file, not a folder"
+        elif isinstance(e, (NotADirectoryError, FileNotFoundError)):
+            reason = f"a part of the path is not a folder ({reason})"
+        raise BadInput(f"{what}={str(path)!r} cannot be written: {reason}") from None
+    return p
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("NXGATES_CACHE", ".cache/gates")
+
+
+def parse_jobs(value: str) -> int:
+    """``--jobs``: ASCII decimal digits, 1 .. the number of CPUs (a process per record compiles on one core)."""
+    cpus = os.cpu_count() or 1
+    jobs = int(value) if re.fullmatch(r"[0-9]{1,6}", value.strip(), re.ASCII) else 0
+    if not 1 <= jobs <= max(cpus, 2):
+        raise BadInput(f"--jobs={value!r} must be an integer from 1 to {max(cpus, 2)} (this machine's CPUs: each "
+                       "worker compiles on one core and holds its own records in memory)")
+    return jobs
+
+
+def main(argv: list[str] | None = None, *, api=None, api_factory: str | None = None) -> int:
+    """The CLI; returns the exit code (0 pass, 1 a gate fails, 2 bad input, 130 interrupted). ``api``: another model's
+    ``ModelAPI`` (tests: the toy); ``api_factory``: "module:function" building it again in prefetch workers."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["run", *argv]
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(argv, api, api_factory)
+    except KeyboardInterrupt as e:  # outside a run's checks (those write their report first, in _run)
+        print(f"interrupted ({'SIGTERM' if isinstance(e, _Terminated) else 'Ctrl-C'}): nothing was written",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str], api, api_factory: str | None = None) -> int:
     if argv[0] == "kernels":
         rest = [a for a in argv[1:] if a != "--accelerator"]
         if any(a == "--impl" or a.startswith("--impl=") for a in rest):  # someone's kernel: gates.testing
@@ -149,7 +219,10 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
             print(f"error: gates.kernel_report is not available ({e})", file=sys.stderr)
             return EXIT_BAD_INPUT
         return int(kernel_report.main(rest))
-    args = _parser().parse_args(argv)  # argparse exits 2 with a message naming the argument
+    try:
+        args = _parser().parse_args(argv)  # argparse prints a message naming the argument
+    except SystemExit as e:  # exit 2 (bad argument) or 0 (--help), returned rather than raised
+        return int(e.code) if isinstance(e.code, int) else EXIT_BAD_INPUT
     if args.command == "compare":  # records only: no model needed
         from nxgates.gates import compare
 
@@ -171,7 +244,11 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
     bad = (BadInput, api.config_error)
     try:
         if args.command == "run":
-            return _run(args, api, custom_api)
+            return _run(args, api, custom_api, argv, api_factory)
+        for name in ("out", "cache_dir"):  # every output location, before anything is computed
+            if getattr(args, name, False) is not False:
+                ensure_writable(getattr(args, name) if name == "out" or args.cache_dir else default_cache_dir(),
+                                "--" + name.replace("_", "-"))
         if args.command == "calibrate":
             from nxgates.gates import calibrate
 
@@ -194,22 +271,34 @@ def main(argv: list[str] | None = None, *, api=None) -> int:
     raise AssertionError(f"unhandled command {args.command!r}")
 
 
-def _run(args, api, custom_api: bool) -> int:
+def _run(args, api, custom_api: bool, argv: list[str], api_factory: str | None = None) -> int:
     from nxgates.gates import suite
 
     flags = parse_flag_items(args.flags)
-    try:
-        jobs = int(args.jobs)
-    except ValueError:
-        jobs = 0
-    if jobs < 1:
-        raise BadInput(f"--jobs={args.jobs!r} must be an integer >= 1")
+    jobs = parse_jobs(args.jobs)
+    out = ensure_writable(args.out, "--out")
+    if not args.no_cache:
+        ensure_writable(args.cache_dir or default_cache_dir(), "--cache-dir")
+    if args.tolerances is not None and not pathlib.Path(args.tolerances).is_file():
+        raise BadInput(f"--tolerances={args.tolerances!r} is not a file")
+    if args.golden_dir is not None and not pathlib.Path(args.golden_dir).is_dir():
+        raise BadInput(f"--golden-dir={args.golden_dir!r} is not a folder")
     t0 = time.perf_counter()
-    report = suite.check(args.config, flags, api=api if custom_api else None, tiles=args.tiles,
-                          cache_dir=args.cache_dir, use_cache=not args.no_cache, tolerances_path=args.tolerances,
-                          golden_dir=args.golden_dir, progress=_progress,
-                          on_check=lambda partial: partial.write(args.out), jobs=jobs, explain=not args.no_explain)
-    json_path, md_path = report.write(args.out)
+    command = "nxgates " + " ".join(shlex.quote(a) for a in argv)
+    try:
+        report = suite.check(args.config, flags, api=api if custom_api else None, tiles=args.tiles,
+                             cache_dir=args.cache_dir, use_cache=not args.no_cache, tolerances_path=args.tolerances,
+                             golden_dir=args.golden_dir, progress=_progress,
+                             on_check=lambda partial: partial.write(out), jobs=jobs, command=command,
+                             accelerator=args.accelerator, api_factory=api_factory,
+                             explain=not args.no_explain)
+    except suite.Interrupted as e:
+        e.report.write(out)
+        why = "SIGTERM" if isinstance(e.__context__, _Terminated) else "Ctrl-C"
+        print(f"interrupted ({why}) after {len(e.report.checks)}/{len(e.report.checks) + len(e.report.pending)} "
+              f"checks; {out / 'gates.md'} is marked INTERRUPTED", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    json_path, md_path = report.write(out)
     if args.json:
         print(json.dumps(report.to_json(), indent=2, default=str))
     else:
@@ -247,6 +336,7 @@ def _golden(args, api) -> int:
     from nxgates.gates import golden, runner
 
     r = runner.Runner(args.config, api=api, use_cache=False, progress=_progress)
+    ensure_writable(golden.golden_path(args.config, args.golden_dir).parent, "--golden-dir")  # before computing
     rec = r.compute(r.base_flags, "production", "control (golden)")
     try:
         path = golden.write_golden(args.config, rec, args.golden_dir)

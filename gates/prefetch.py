@@ -4,27 +4,95 @@ Compilation is single-threaded, so two processes on two cores roughly halve the 
 control is computed first in the calling process (every other record replays its routing); the reference and every
 candidate with the config's default control go to the workers. Nothing is trusted from a failed worker: its check
 computes the record itself later.
+
+Workers never outlive the process that started them: each one, when it starts, asks the kernel to kill it when its
+parent dies (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``) and runs a watchdog thread that exits the process as soon as
+its parent is gone (every platform: the parent's pid is no longer its parent's). Workers ignore Ctrl-C (the terminal
+sends it to the whole process group): the parent stops them, so an interrupted run prints one line, not a traceback
+per worker.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import importlib
 import multiprocessing
+import os
+import signal
+import sys
+import threading
 import time
 
 from nxgates.gates import protocol
 from nxgates.gates import record as record_lib
 from nxgates.gates.runner import Runner, control_routing, stderr
 
-_WORKER: dict = {}  # per worker process: (config, settings, cache_dir) -> (Runner, the control's routing)
+DEFAULT_API_FACTORY = "nxgates.gates.model_api:default_model_api"
+WATCHDOG_PERIOD_S = 0.5
+_PR_SET_PDEATHSIG = 1
+_WORKER: dict = {}  # per worker process: (config, settings, cache_dir, api_factory) -> (Runner, the control's routing)
 
 
-def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str) -> str:
+def _exit_with_parent(parent_pid: int) -> None:
+    """In a worker: die when the parent ``parent_pid`` dies (kernel signal on Linux, and a polling watchdog)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still applies
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(1)
+
+    def watchdog():
+        while True:
+            time.sleep(WATCHDOG_PERIOD_S)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watchdog, name="nxgates-parent-watchdog", daemon=True).start()
+
+
+def worker_init(parent_pid: int) -> None:
+    """The initializer of every prefetch worker process: ignore Ctrl-C, die with the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent(parent_pid)
+
+
+def worker_pool(jobs: int) -> concurrent.futures.ProcessPoolExecutor:
+    """``jobs`` spawned worker processes that die with this process (``worker_init``)."""
+    return concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=worker_init, initargs=(os.getpid(),))
+
+
+def stop_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Kill the workers now and cancel what has not started (an interrupted or failed run waits for no record). The
+    processes are taken before ``shutdown``, which forgets them."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        try:
+            proc.kill()
+        except (OSError, ValueError):
+            pass
+    for proc in procs:
+        proc.join(timeout=5)
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def load_api_factory(spec: str):
+    """``"package.module:function"`` -> the function (a ``ModelAPI`` factory)."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str,
+                  api_factory: str = DEFAULT_API_FACTORY) -> str:
     """Worker process: one record into the cache (``overrides=None``: the float32 reference), replaying the
     control's routing read from the cache (once per worker process). Returns how the record was obtained."""
-    key = (config, tuple(sorted(settings.items())), cache_dir)
+    key = (config, tuple(sorted(settings.items())), cache_dir, api_factory)
     if key not in _WORKER:
-        r = Runner(config, settings=protocol.ProtocolSettings(**settings),
+        r = Runner(config, api=load_api_factory(api_factory)(), settings=protocol.ProtocolSettings(**settings),
                    cache=record_lib.RecordCache(cache_dir, log=lambda m: None), progress=None)
         control, _ = r.shared_record(r.base_flags, "production", "control")
         _WORKER[key] = (r, control_routing(control))
@@ -37,30 +105,41 @@ def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides:
     return how
 
 
-def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None) -> None:
+def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_factory: str | None = None) -> None:
     """Compute the control here, then the reference and every candidate of ``specs`` in ``jobs`` worker processes,
     into the record cache (compilation is single-threaded, so two processes on two cores roughly halve the wall time).
     Only the candidates with a config's default control are prefetched; a worker's failure is reported and the check
-    computes the record itself later."""
-    runner.shared_record(runner.base_flags, "production", "control")
+    computes the record itself later. ``api_factory``: "module:function" the workers call to build the model API
+    (default: the real model's). How each record was obtained goes to ``runner.prefetched``."""
+    api_factory = api_factory or DEFAULT_API_FACTORY
+    runner.shared_record(runner.base_flags, "production", "control (before the checks)")
+    control = runner.base_control()[0]
+    replay = control_routing(control)
     base = runner.api.as_dict(runner.base_flags)
-    jobs_list = [(None, "reference")]
+    jobs_list = [(None, "reference", runner.base_flags, "reference")]
     for spec in specs:
         control_flags, candidate_flags = runner.resolve(spec)
         if runner.api.as_dict(control_flags) != base:
             continue
-        jobs_list.append((runner.api.as_dict(candidate_flags), f"candidate[{spec.name}]"))
+        changed = {k: v for k, v in runner.api.as_dict(candidate_flags).items() if base.get(k) != v}
+        jobs_list.append((changed, f"candidate[{spec.name}]", candidate_flags, "production"))
     t = time.perf_counter()
     runner.progress(f"[{t - runner.t0:7.1f}s] prefetch: {len(jobs_list)} records in {jobs} worker processes")
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    pool = worker_pool(jobs)
+    try:
         settings = runner.settings.as_dict()
-        futures = {pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label): label
-                   for ov, label in jobs_list}
+        futures = {pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label, api_factory):
+                   (label, record_lib.key_digest(runner.key_parts(flags, precision, replay)))
+                   for ov, label, flags, precision in jobs_list}
         for fut in concurrent.futures.as_completed(futures):
-            label = futures[fut]
+            label, digest = futures[fut]
             try:
                 how = fut.result()
+                runner.prefetched[digest] = how
                 runner.progress(f"[{time.perf_counter() - runner.t0:7.1f}s] prefetch: {label} {how.split(' (')[0]}")
             except Exception as e:  # the check recomputes it; nothing is trusted from a failed worker
                 runner.progress(f"prefetch: {label} failed in its worker ({type(e).__name__}: {e}); computed later")
+    except BaseException:  # Ctrl-C, or anything else: no worker keeps computing for a run that is over
+        stop_pool(pool)
+        raise
+    pool.shutdown(wait=True)

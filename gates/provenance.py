@@ -7,10 +7,13 @@ the routing it replays. Any change to one of them is a different record (a cache
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import pathlib
 import platform
+import re
+import subprocess
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,15 +55,74 @@ def source_hash(dirs: tuple[str, ...] = SOURCE_DIRS, files: tuple[str, ...] = SO
     return h.hexdigest()
 
 
+# The CPU target XLA compiles for, as its serialized CPU executable records it: the target triple, the CPU name and
+# the LLVM feature string ("+avx2,+fma,-avx512f,..."), three length-delimited protobuf strings in a row.
+_TARGET = re.compile(rb"\n([\x01-\x7f])([A-Za-z0-9_.\-]+)\x12([\x01-\x7f])([A-Za-z0-9_.\-]+)"
+                     rb"\x1a(?:[\x80-\xff]*)[\x00-\x7f]((?:[+-][A-Za-z0-9_.\-]+,)*[+-][A-Za-z0-9_.\-]+)")
+
+
+def _parse_target(blob: bytes) -> dict | None:
+    for m in _TARGET.finditer(blob):
+        triple, cpu = m.group(2).decode(), m.group(4).decode()
+        if len(triple) == m.group(1)[0] and len(cpu) == m.group(3)[0] and "-" in triple:
+            return {"triple": triple, "cpu": cpu, "features": m.group(5).decode()}
+    return None
+
+
+def _cpuinfo_target() -> dict:
+    """Fallback: the processor's model name and flags as the OS reports them (Linux /proc/cpuinfo)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return {"source": "unknown (no XLA target and no /proc/cpuinfo)", "cpu": platform.processor() or "?",
+                "features": ""}
+    fields = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(":")
+        fields.setdefault(k.strip(), v.strip())
+    flags = fields.get("flags") or fields.get("Features") or ""
+    return {"source": "/proc/cpuinfo", "cpu": fields.get("model name", "?"),
+            "features": ",".join(sorted(flags.split()))}
+
+
+@functools.cache
+def cpu_target() -> dict:
+    """The CPU target XLA's CPU backend compiles for: {"source", "triple", "cpu", "features", "features_sha256"}.
+
+    Read from a compiled trivial program (the target machine options XLA stores in a serialized CPU executable: what
+    it really generates code for, after ``--xla_cpu_max_isa``); if that cannot be read, the OS's processor flags. Two
+    machines with the same versions can round differently when these differ (XLA picks other instructions), which is
+    why the golden's exact comparison keys on them."""
+    import jax
+    import jax.numpy as jnp
+
+    target = None
+    try:
+        from jax._src import xla_bridge
+
+        backend = xla_bridge.get_backend("cpu")
+        x = jax.device_put(jnp.ones((8,), jnp.float32), jax.devices("cpu")[0])
+        compiled = jax.jit(lambda v: v * 2.0 + 1.0).lower(x).compile()
+        target = _parse_target(bytes(backend.serialize_executable(compiled.runtime_executable())))
+        if target is not None:
+            target["source"] = "XLA CPU executable"
+    except Exception:  # noqa: BLE001 - any failure: the OS's description below, and the source says so
+        target = None
+    target = target or _cpuinfo_target()
+    features = sorted(f for f in target["features"].split(",") if f)
+    target["features_sha256"] = hashlib.sha256(",".join(features).encode()).hexdigest()[:16]
+    return {k: target.get(k, "") for k in ("source", "triple", "cpu", "features", "features_sha256")}
+
+
 def environment() -> dict:
-    """Versions and the device the runs execute on."""
+    """Versions, the device the runs execute on, and (on CPU) the CPU target XLA compiles for (``cpu_target``)."""
     import jax
     import jaxlib
     import numpy
     import optax
 
     devs = jax.devices()
-    return {
+    env = {
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
@@ -70,6 +132,25 @@ def environment() -> dict:
         "device_kind": devs[0].device_kind,
         "device_count": len(devs),
     }
+    if devs[0].platform == "cpu":
+        target = cpu_target()
+        env["cpu_target"] = {k: target[k] for k in ("source", "triple", "cpu", "features_sha256")}
+    return env
+
+
+def git_commit(start: str | pathlib.Path | None = None) -> str | None:
+    """The commit of the git checkout holding this package, "+dirty" when tracked files differ; None outside git."""
+    root = pathlib.Path(start or pathlib.Path(__file__).resolve().parent.parent)
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def record_key(*, config: str, config_values: Mapping[str, Any], flags: Mapping[str, Any], precision: str,

@@ -14,6 +14,12 @@ batch, sketch spec, and in ``extra`` the key's parts and the record's metadata) 
 a hash of the reference/kernels/model sources). A missing, unfinished (not closed), corrupted (checksum mismatch,
 unreadable) or stale (different key parts or format) entry is reported and recomputed, never trusted; so is an entry
 in the previous format (``<key>.npz`` + ``<key>.json``), which is no longer read.
+
+Every byte of a cache entry is covered by its check: after the run directory is written, ``ENTRY_CHECKSUM``
+(``entry.sha256.json``, the entry's commit marker) records the sha256 of every file in it (meta.json with the metadata
+and key parts, each step's sidecar and arrays) and their list. On read, an entry without it, with a file added,
+missing or changed (a metadata byte such as ``num_steps`` edited, a step's files deleted) is rejected, naming the file,
+and recomputed, before anything in it is parsed.
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from nxgates.gates import records
+from nxgates.gates import atomic, records
 from nxgates.gates.sketch import SketchSpec, is_exact
 
 FORMAT_VERSION = 3  # 2: per-step routing (the experts used) and routing_mismatch; 3: the record format of gates.records
+ENTRY_CHECKSUM = "entry.sha256.json"  # a cache entry's checksum of every file in it (written last)
 
 
 @dataclasses.dataclass
@@ -196,6 +203,48 @@ def to_run(rec: RunRecord, path: str = "<memory>") -> records.Run:
 
 
 # --------------------------------------------------------------------------------------------------------------- cache
+def entry_files(d: pathlib.Path) -> dict[str, str]:
+    """{path relative to ``d``: sha256} of every file under the entry ``d`` but its checksum file."""
+    out = {}
+    for p in sorted(d.rglob("*")):
+        rel = p.relative_to(d).as_posix()
+        if rel != ENTRY_CHECKSUM and not p.is_dir():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _digest_of(files: Mapping[str, str]) -> str:
+    return hashlib.sha256(canonical_json(dict(files)).encode()).hexdigest()
+
+
+def verify_entry(d: pathlib.Path) -> None:
+    """``CacheEntryInvalid`` naming the file, unless every file of the entry ``d`` is the one its checksum recorded
+    (no file added, missing or changed)."""
+    marker = d / ENTRY_CHECKSUM
+    try:
+        saved = json.loads(marker.read_text(encoding="utf-8"))
+        files = saved["files"]
+        if not isinstance(files, dict) or saved.get("sha256") != _digest_of(files):
+            raise ValueError("its own digest does not match its file list")
+    except FileNotFoundError:
+        raise CacheEntryInvalid(f"{d}: no {ENTRY_CHECKSUM} (an unfinished entry, or one written before entries had "
+                                "checksums)") from None
+    except (ValueError, KeyError, TypeError) as e:  # JSON, UTF-8 and shape errors
+        raise CacheEntryInvalid(f"{marker}: corrupt checksum file ({type(e).__name__}: {e})") from None
+    try:
+        now = entry_files(d)
+    except OSError as e:
+        raise CacheEntryInvalid(f"{d}: unreadable ({e})") from None
+    missing = sorted(set(files) - set(now))
+    added = sorted(set(now) - set(files))
+    changed = sorted(k for k in set(files) & set(now) if files[k] != now[k])
+    problems = ([f"{d / k}: changed since the entry was written (sha256 mismatch)" for k in changed]
+                + [f"{d / k}: missing" for k in missing] + [f"{d / k}: not part of the entry" for k in added])
+    if problems:
+        raise CacheEntryInvalid("; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3
+                                                             else ""))
+
+
 class RecordCache:
     """Records on disk under ``root`` (default ``$NXGATES_CACHE`` or ``.cache/gates``), keyed by their key parts: one
     run directory per record."""
@@ -211,13 +260,17 @@ class RecordCache:
         d = self.path(key_parts)
         if d.exists():  # a damaged or stale entry: replaced as a whole
             shutil.rmtree(d)
-        return write_run(rec, d, key_parts)
+        path = write_run(rec, d, key_parts)
+        files = entry_files(d)
+        atomic.write_json_atomic(d / ENTRY_CHECKSUM, {"files": files, "sha256": _digest_of(files)})
+        return path
 
     def load(self, key_parts: Mapping[str, Any]) -> RunRecord:
         """The stored record for ``key_parts``; ``FileNotFoundError`` or ``CacheEntryInvalid`` (with the reason)."""
         d = self.path(key_parts)
         if not d.exists():
             raise FileNotFoundError(d)
+        verify_entry(d)  # every byte, before anything in the entry is parsed
         try:
             run = records.load_run(d)
         except records.RecordError as e:

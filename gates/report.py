@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import time
 
 from tabulate import tabulate
 
@@ -21,6 +22,7 @@ from nxgates.gates import atomic
 from nxgates.gates import gates as gates_lib
 from nxgates.gates.tolerances import Tolerances
 
+STATUSES = ("complete", "incomplete", "interrupted")
 HEADERS = ("gate", "step", "vs control", "bound", "vs reference", "bound (ref)", "verdict")
 
 
@@ -42,12 +44,33 @@ class Report:
     wall_s: float = 0.0
     pending: list = dataclasses.field(default_factory=list)  # checks not run yet (a partial report)
     plots: dict = dataclasses.field(default_factory=dict)  # check name -> [(title, file name)] (set by write)
+    # "complete"; "incomplete" (written while the run goes on: if its process is gone, it was killed);
+    # "interrupted" (Ctrl-C / SIGTERM: the checks done before it)
+    status: str = "complete"
+    run: dict = dataclasses.field(default_factory=dict)  # started, command, git_commit, source_sha256, pid, host
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"Report: status={self.status!r} must be one of {STATUSES}")
 
     @property
     def passed(self) -> bool:
         """Every gate of every check passes. The golden comparison is reported next to it, not part of it: a drifted
         control is a finding about the baseline (rebuild or investigate), not a flag's gate failure."""
-        return bool(self.checks) and not self.pending and all(c.passed for c in self.checks)
+        return (self.status == "complete" and bool(self.checks) and not self.pending
+                and all(c.passed for c in self.checks))
+
+    def status_line(self) -> str:
+        """The first line of every render: the status, when, the command, the commit and source hash."""
+        r = self.run
+        done = f"{len(self.checks)}/{len(self.checks) + len(self.pending)} checks"
+        what = {"complete": f"COMPLETE ({done})",
+                "incomplete": f"INCOMPLETE ({done} so far; written while the run went on: if process {r.get('pid')} "
+                              f"on {r.get('host')} is gone, the run was killed before it finished)",
+                "interrupted": f"INTERRUPTED ({done} done before the interrupt; not a verdict)"}[self.status]
+        commit = r.get("git_commit") or "no git checkout"
+        return (f"status: {what}; started {r.get('started', '?')}, written {self.written}; command: "
+                f"{r.get('command', '?')}; commit {commit}; source sha256 {str(r.get('source_sha256', '?'))[:16]}")
 
     # ------------------------------------------------------------------------------------------------------ rows
     @staticmethod
@@ -103,8 +126,13 @@ class Report:
         return lines
 
     # -------------------------------------------------------------------------------------------------- renders
+    @property
+    def written(self) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
     def table(self) -> str:
-        parts = [f"nxgates: config {self.config!r} on {self.env.get('device_count')} x {self.env.get('device_kind')} "
+        parts = [self.status_line(),
+                 f"nxgates: config {self.config!r} on {self.env.get('device_count')} x {self.env.get('device_kind')} "
                  f"(jax {self.env.get('jax')}), slack {gates_lib.slack_text(self.tolerances)}"]
         for c in self.checks:
             parts.append("")
@@ -120,16 +148,17 @@ class Report:
         if self.pending:
             parts += ["", "PARTIAL REPORT: still to run: " + ", ".join(self.pending)]
         n_fail = sum(not c.passed for c in self.checks)
-        parts += ["", f"{'PASS' if self.passed else 'FAIL'}: {len(self.checks) - n_fail}/{len(self.checks)} checks "
+        verdict = "PASS" if self.passed else ("FAIL" if self.status == "complete" else self.status.upper())
+        parts += ["", f"{verdict}: {len(self.checks) - n_fail}/{len(self.checks)} checks "
                   f"pass ({self.wall_s:.1f}s)"]
         return "\n".join(parts)
 
     def to_markdown(self) -> str:
-        parts = [f"# nxgates report: config `{self.config}`", "",
+        parts = [f"**{self.status_line()}**", "", f"# nxgates report: config `{self.config}`", "",
                  f"{self.env.get('device_count')} x {self.env.get('device_kind')}, jax {self.env.get('jax')}, "
                  f"jaxlib {self.env.get('jaxlib')}; tolerances `{self.tolerances.path}`, "
                  f"slack {gates_lib.slack_text(self.tolerances)}.",
-                 "", f"**{'PASS' if self.passed else 'FAIL'}**"
+                 "", f"**{'PASS' if self.passed else ('FAIL' if self.status == 'complete' else self.status.upper())}**"
                  + (f" (partial: still to run {', '.join(self.pending)})" if self.pending else ""), ""]
         for c in self.checks:
             parts.append(f"## {c.spec.name} ({c.spec.contract}): {'PASS' if c.passed else 'FAIL'}")
@@ -154,12 +183,16 @@ class Report:
 
     def to_json(self) -> dict:
         return {
+            "status": self.status,
+            "status_line": self.status_line(),
+            "run": {**self.run, "written": self.written},
             "config": self.config,
             "passed": self.passed,
             "env": self.env,
             "wall_s": self.wall_s,
             "tolerances": {"path": self.tolerances.path, "tol": dict(self.tolerances.tol),
-                           "slack": dict(self.tolerances.slack), "golden_rel": self.tolerances.golden_rel},
+                           "slack": dict(self.tolerances.slack), "golden_rel": self.tolerances.golden_rel,
+                           "golden_cross_env_rel": self.tolerances.golden_cross_env_rel},
             "golden": self.golden.as_dict() if self.golden is not None else None,
             "pending": list(self.pending),
             "checks": [
@@ -190,11 +223,11 @@ class Report:
 
     def write(self, out_dir: str | pathlib.Path = "reports") -> tuple[pathlib.Path, pathlib.Path]:
         out = pathlib.Path(out_dir)
-        if not self.pending:  # a partial report (written after each check) gets its pictures at the end
+        if self.status == "complete" and not self.pending:  # partial reports get their pictures at the end
             from nxgates.gates import plots
 
             self.plots = plots.report_plots(self, out)
-        return (atomic.write_json_atomic(out / "gates.json", self.to_json()),
+        return (atomic.write_json_atomic(out / "gates.json", self.to_json(), sort_keys=False),  # status first
                 atomic.write_text_atomic(out / "gates.md", self.to_markdown()))
 
 

@@ -143,8 +143,12 @@ class Runner:
         batch_size, seq_len, vocab = self.api.dims(self.cfg)
         self.batch = protocol.make_batch(batch_size, seq_len, vocab, self.seeds["batch"])
         self._params0 = None
-        self._records: dict[str, tuple[record_lib.RunRecord, str]] = {}
+        # key digest -> (record, how it was obtained in this run, the label it was first obtained for)
+        self._records: dict[str, tuple[record_lib.RunRecord, str, str]] = {}
+        # key digest -> how a prefetch worker of this run obtained it ("computed", "recomputed: <why>", "cached")
+        self.prefetched: dict[str, str] = {}
         self._src_hash = source_hash(self.api.source_dirs, extra=self.api.config_files(config))
+        self.source_sha256 = self._src_hash
         self.t0 = time.perf_counter()
 
     @property
@@ -244,17 +248,23 @@ class Runner:
 
     def shared_record(self, flags, precision: str, label: str, replay=None) -> tuple[record_lib.RunRecord, str]:
         """Control or reference: once per (flags, precision, replayed routing) in this process, and through the disk
-        cache."""
+        cache. Returns (record, how): "computed" (in this run), "cached" (from an earlier run), "recomputed: <why the
+        cached entry was rejected>", with " (by a prefetch worker of this run)" for a record a worker obtained, and
+        "; shared: first obtained for <label>" when an earlier use in this run obtained it."""
         parts = self.key_parts(flags, precision, replay)
         k = record_lib.key_digest(parts)
         if k in self._records:
-            return self._records[k][0], "shared (computed for an earlier check)"
+            rec, how, first = self._records[k]
+            return rec, f"{how}; shared: first obtained for {first}"
         compute = functools.partial(self.compute, flags, precision, label, replay=replay)
         if self.use_cache:
-            self._records[k] = self.cache.get_or_compute(parts, compute, label=label)
+            rec, how = self.cache.get_or_compute(parts, compute, label=label)
+            if how == "cached" and k in self.prefetched:  # a worker of this run put it there: say how it got it
+                how = f"{self.prefetched[k]} (by a prefetch worker of this run)"
         else:
-            self._records[k] = (compute(), "computed")
-        return self._records[k]
+            rec, how = compute(), "computed"
+        self._records[k] = (rec, how, label)
+        return rec, how
 
     # ---------------------------------------------------------------------------------------------------- checks
     def run_check(self, spec: contracts_lib.CheckSpec, *, candidate_loss_fn=protocol.grpo_loss,
@@ -315,4 +325,5 @@ class Runner:
     def base_control(self) -> tuple[record_lib.RunRecord, str] | None:
         """The config's own control if this runner has it (for the golden comparison)."""
         k = record_lib.key_digest(self.key_parts(self.base_flags, "production"))
-        return self._records.get(k)
+        found = self._records.get(k)
+        return None if found is None else (found[0], found[1])

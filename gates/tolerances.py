@@ -1,7 +1,7 @@
 """The one reader of ``fixtures/tolerances.toml``: the gates' ``[gates.*]`` and the kernels' ``[kernels."<key>"]``.
 
 - ``load_tolerances(path)`` -> ``Tolerances``: ``[gates.N1]`` .. ``[gates.N6]`` (each: floor, slack, live_range, reason,
-  source) and ``[gates.golden]`` (rel, reason, source), for the six gates and the golden comparison;
+  source) and ``[gates.golden]`` (rel, cross_env_rel, reason, source), for the six gates and the golden comparison;
   ``load_tolerances(path, section="lens")``: ``[lens.N1]`` .. ``[lens.N6]``, the same fields for the float32 lens.
   The bounds of a rounding gate come from the run's own live control-to-reference distance ``c``: against the control
   ``max(floor, c)``, against the reference ``max(floor, (1 + slack) c)``; ``live_range`` is the calibrated range of
@@ -32,9 +32,13 @@ def read_table(path: str | pathlib.Path = DEFAULT_TOLERANCES) -> dict:
     """The parsed TOML of the tolerance table; ``ValueError`` naming the path if it is missing or not TOML."""
     path = pathlib.Path(path)
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ValueError(f"tolerances: path={str(path)!r} does not exist") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"tolerances: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except OSError as e:
+        raise ValueError(f"tolerances: path={str(path)!r} cannot be read ({e.strerror or e})") from e
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"tolerances: {path} is not valid TOML ({e})") from e
 
@@ -61,6 +65,9 @@ class Tolerances:
     path: str
     live_range: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     section: str = "gates"
+    # [gates.golden] cross_env_rel: the golden compared outside its environment key (another CPU target or versions),
+    # rel per step on the loss and the grad norm; None: the table has none (the golden is then not compared there)
+    golden_cross_env_rel: float | None = None
 
     def tol_at(self, gate: str, step: int) -> float:
         """The floor of ``gate`` at ``step`` (1-based); a per-step table must cover the step."""
@@ -106,9 +113,9 @@ SECTIONS = ("gates", "lens")
 
 def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES, section: str = "gates") -> Tolerances:
     """Read ``[<section>.N1]`` .. ``[<section>.N6]`` (each: floor (or legacy rel), slack, reason, source; optional
-    live_range) and, for ``gates``, ``[gates.golden]`` (rel, reason, source). A missing section or key is refused with
-    a ``ValueError`` naming it; so is the retired global ``[gates.slack]`` (the slack is per gate: a global one would
-    silently be ignored)."""
+    live_range) and, for ``gates``, ``[gates.golden]`` (rel, reason, source; optional cross_env_rel). A missing
+    section or key is refused with a ``ValueError`` naming it; so is the retired global ``[gates.slack]`` (the slack is
+    per gate: a global one would silently be ignored)."""
     if section not in SECTIONS:
         raise ValueError(f"tolerances: section={section!r} must be one of {SECTIONS}")
     path = pathlib.Path(path)
@@ -152,6 +159,8 @@ def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES, section: str 
     return Tolerances(
         tol={g: tol[g] for g in GATES}, slack=slack, golden_rel=tol.get("golden", 0.0), reasons=reasons,
         sources=sources, path=str(path), live_range=live, section=section,
+        golden_cross_env_rel=(_number(f"{section}.golden", "cross_env_rel", table["golden"]["cross_env_rel"])
+                              if section == "gates" and "cross_env_rel" in table["golden"] else None),
     )
 
 

@@ -165,12 +165,18 @@ def load_config(name: str) -> ModelConfig:
         raise ConfigError(f"unknown config {name!r}: available configs are {list(available_configs())} "
                           f"(in {config_dir()})")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config {name!r}: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"config {name!r}: {path} cannot be read ({e.strerror or e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config {name!r}: {path} is not valid TOML: {e}") from None
-    for section in data:
+    for section, value in data.items():
         if section not in _SECTIONS:
             raise ConfigError(f"config {name!r}: unknown section [{section}] in {path}; sections are {_SECTIONS}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"config {name!r}: {section} = {value!r} in {path} must be a table [{section}]")
     model = dict(data.get("model", {}))
     for key, value in model.items():
         if key not in _MODEL_FIELDS:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -116,8 +117,14 @@ def tile(default: int, gmm: str, dim: str):
     reduced = REDUCTION_DIM[gmm] == dim
     what = ("VMEM buffers of the streamed rhs tile" if dim == "rhs_buffer_count"
             else f"{dim} tile ({'the reduction: re-associates the f32 sum' if reduced else 'not reduced'})")
-    # tile_divides_dim reads the embed and MLP tiles (m rows are ragged per expert and masked); all fit VMEM.
-    rules = ("tile_divides_dim", "tiles_fit_vmem") if dim in ("embed_dim", "mlp_dim") else ("tiles_fit_vmem",)
+    # No tile exceeds its dim (tile_within_dim); the embed and MLP tiles divide it (m rows are ragged per expert and
+    # masked); the buffers are at most the tiles streamed (rhs_buffers_within_tiles); all fit VMEM.
+    if dim == "rhs_buffer_count":
+        rules = ("rhs_buffers_within_tiles", "tiles_fit_vmem")
+    elif dim in ("embed_dim", "mlp_dim"):
+        rules = ("tile_within_dim", "tile_divides_dim", "tiles_fit_vmem")
+    else:
+        rules = ("tile_within_dim", "tiles_fit_vmem")
     return tuning(default, contract="rounding" if reduced else "exact", doc=f"GMM {gmm}: {what}", op="moe_mlp",
                   rules=rules, tile=True, gmm_dim=(gmm, dim))
 
@@ -257,6 +264,7 @@ def check_flag_value(key: str, value: object) -> None:
         raise ConfigError(f"{format_setting(key, value)} is malformed: {key} expects {flag_kind(key)}, got {value!r}")
 
 
+_DECIMAL = re.compile(r"[0-9]{1,1000}", re.ASCII)  # int() refuses more than 4300 digits
 _TRUE = ("true", "1")
 _FALSE = ("false", "0")
 
@@ -268,12 +276,18 @@ def _coerce(key: str, value: object) -> Value:
         return value.strip().lower() in _TRUE
     if t is bool and type(value) is int and value in (0, 1):
         return bool(value)
-    coerced = int(value.strip()) if t is int and isinstance(value, str) and value.strip().isdigit() else value
+    # ASCII decimal digits only: str.isdigit() also accepts superscripts ("²", which int() refuses) and int() reads
+    # other scripts' digits ("１２８" in full-width digits): a value is taken as typed or refused, never reinterpreted.
+    coerced = int(value.strip()) if t is int and isinstance(value, str) and _DECIMAL.fullmatch(value.strip()) else value
     try:
         check_flag_value(key, coerced)
     except ConfigError:  # name the value as it was given ("0", not 0)
+        text, shown = str(value), repr(value)
+        if len(shown) > 80:
+            text = shown = f"{shown[:40]}...{shown[-20:]} ({len(shown)} characters)"
+        digits = " (ASCII decimal digits)" if flag_kind(key) == "positive int" else ""
         raise ConfigError(
-            f"{format_setting(key, value)} is malformed: {key} expects {flag_kind(key)}, got {value!r}"
+            f"{key}={text} is malformed: {key} expects {flag_kind(key)}{digits}, got {shown}"
         ) from None
     return coerced
 

@@ -96,29 +96,78 @@ def _requires(cfg, flags, rule, trigger: str, ok: bool, need: str, got: tuple[st
         yield Violation(rule, message, (trigger, *got), dict(fix or {}))
 
 
-# --- structural rules: tiles divide their dims, the mesh divides the data
+# --- structural rules: tiles within and dividing their dims, the mesh divides the data
 
 _DIM_TILES = tuple(k for k in TILE_KEYS if k.endswith(("_embed_dim", "_mlp_dim")))
+_BUFFERS = "wi_tile_fwd_rhs_buffer_count"
+
+
+def tile_dim(cfg: ModelConfig, flags: Flags, key: str) -> tuple[int, str, tuple[str, ...]]:
+    """The dimension the tile ``key`` tiles: (size, how the message names it, the keys it is made of).
+    ``*_embed_dim``: hidden_dim; ``wi_*_mlp_dim``: the wi width 2*moe_mlp_dim (wi: [G, hidden_dim, 2F] = [gate | up]);
+    ``wo_*_mlp_dim``: moe_mlp_dim; ``*_batch_seq``: the GMM's rows on one device, at most ``moe_rows`` (the device's
+    tokens x top_k), which the kernels round up to a multiple of 8 (``kernels.tiling.effective``)."""
+    if key.endswith("_embed_dim"):
+        return cfg.hidden_dim, format_setting("hidden_dim", cfg.hidden_dim), ("hidden_dim",)
+    if key.endswith("_mlp_dim") and key.startswith("wi_"):
+        dim = 2 * cfg.moe_mlp_dim
+        return dim, f"the wi width 2*moe_mlp_dim={dim} (moe_mlp_dim={cfg.moe_mlp_dim})", ("moe_mlp_dim",)
+    if key.endswith("_mlp_dim"):
+        return cfg.moe_mlp_dim, format_setting("moe_mlp_dim", cfg.moe_mlp_dim), ("moe_mlp_dim",)
+    rows = moe_rows(cfg, flags)
+    dim = -(-max(rows, 1) // 8) * 8
+    keys = ("batch_size", "seq_len", "top_k", "ici_fsdp_parallelism", "ici_context_parallelism")
+    named = [format_setting(k, _get(cfg, flags, k)) for k in keys]
+    return dim, (f"the GMM rows of one device, {named[0]} x {named[1]} x {named[2]} / ({named[3]} x {named[4]}) = "
+                 f"{rows}, rounded up to 8: {dim}"), keys
+
+
+@_rule(*TILE_KEYS)
+def _check_tile_within_dim(cfg: ModelConfig, flags: Flags) -> Iterator[Violation]:
+    """No tile is larger than the dimension it tiles (``tile_dim``). The kernels would clip it to the dimension, so the
+    check would run the clipped tile under the name of the value typed: refused instead, naming the largest value."""
+    for key in TILE_KEYS:
+        tile = getattr(flags, key)
+        dim, dim_text, dim_keys = tile_dim(cfg, flags, key)
+        if tile > dim:
+            yield Violation("tile_within_dim", f"{format_setting(key, tile)} is larger than the dim it tiles, "
+                            f"{dim_text}: at most {dim}", (key, *dim_keys), {key: dim})
+
+
+def rhs_tiles(cfg: ModelConfig, flags: Flags) -> int:
+    """The distinct wi tiles the wi forward GMM streams on one device: its experts x k steps x n steps (what
+    ``wi_tile_fwd_rhs_buffer_count`` buffers)."""
+    k_steps = -(-cfg.hidden_dim // min(flags.wi_tile_fwd_embed_dim, cfg.hidden_dim))
+    n_steps = -(-2 * cfg.moe_mlp_dim // min(flags.wi_tile_fwd_mlp_dim, 2 * cfg.moe_mlp_dim))
+    return max(cfg.num_experts // flags.ici_expert_parallelism, 1) * k_steps * n_steps
+
+
+@_rule(_BUFFERS)
+def _check_rhs_buffers_within_tiles(cfg: ModelConfig, flags: Flags) -> Iterator[Violation]:
+    """``wi_tile_fwd_rhs_buffer_count`` is at most the number of wi tiles the GMM streams (``rhs_tiles``): more
+    buffers than tiles buffer nothing (and the VMEM rule alone passes any count where the tiles are small)."""
+    n = rhs_tiles(cfg, flags)
+    if flags.wi_tile_fwd_rhs_buffer_count > n:
+        keys = (_BUFFERS, "num_experts", "ici_expert_parallelism", "hidden_dim", "wi_tile_fwd_embed_dim",
+                "moe_mlp_dim", "wi_tile_fwd_mlp_dim")
+        got = ", ".join(format_setting(k, _get(cfg, flags, k)) for k in keys[1:])
+        yield Violation(
+            "rhs_buffers_within_tiles",
+            f"{format_setting(_BUFFERS, flags.wi_tile_fwd_rhs_buffer_count)} is more than the {n} wi tiles the wi "
+            f"forward GMM streams on one device (experts per device x k steps over hidden_dim x n steps over "
+            f"2*moe_mlp_dim; got {got}): at most {n}", keys, {_BUFFERS: n})
 
 
 @_rule(*_DIM_TILES)
 def _check_tile_divides_dim(cfg: ModelConfig, flags: Flags) -> Iterator[Violation]:
-    """Every k and n tile (clipped to its dim) divides its dim: ``*_embed_dim`` tiles divide hidden_dim,
-    ``wi_*_mlp_dim`` the wi width 2*moe_mlp_dim (wi: [G, hidden_dim, 2F] = [gate | up]), ``wo_*_mlp_dim`` moe_mlp_dim.
-    m tiles are free: the batch*seq rows are ragged per expert and masked at group boundaries."""
+    """Every k and n tile divides its dim (``tile_dim``; a larger tile is ``tile_within_dim``'s refusal). m tiles are
+    free: the batch*seq rows are ragged per expert and masked at group boundaries."""
     for key in _DIM_TILES:
-        tile = getattr(flags, key)  # a tile larger than its dim is clipped to it (kernels.tiling.effective)
-        if key.endswith("_embed_dim"):
-            dim, dim_text = cfg.hidden_dim, format_setting("hidden_dim", cfg.hidden_dim)
-        elif key.startswith("wi_"):
-            dim = 2 * cfg.moe_mlp_dim
-            dim_text = f"the wi width 2*moe_mlp_dim={dim} (moe_mlp_dim={cfg.moe_mlp_dim})"
-        else:
-            dim, dim_text = cfg.moe_mlp_dim, format_setting("moe_mlp_dim", cfg.moe_mlp_dim)
+        tile = getattr(flags, key)
+        dim, dim_text, dim_keys = tile_dim(cfg, flags, key)
         if dim % min(tile, dim):
-            dim_key = "hidden_dim" if key.endswith("_embed_dim") else "moe_mlp_dim"
-            yield Violation("tile_divides_dim", f"{format_setting(key, tile)} must divide {dim_text}", (key, dim_key),
-                            {key: dim})
+            yield Violation("tile_divides_dim", f"{format_setting(key, tile)} must divide {dim_text}",
+                            (key, *dim_keys), {key: dim})
 
 
 @_rule()

@@ -51,8 +51,8 @@ def run_cli(argv, workdir, capsys):
         (["--config", "toy", "--flags", "moe_wi_gmm_fused_swiglu"],
          "--flags item 'moe_wi_gmm_fused_swiglu' is malformed"),
         (["--config", "toy", "--flags", "moe_wi_gmm_fused_swiglu=false"], "no tuning flag differs"),
-        (["--config", "toy", "--jobs", "0"], "--jobs='0' must be an integer >= 1"),
-        (["--config", "toy", "--jobs", "two"], "--jobs='two' must be an integer >= 1"),
+        (["--config", "toy", "--jobs", "0"], "--jobs='0' must be an integer from 1 to"),
+        (["--config", "toy", "--jobs", "two"], "--jobs='two' must be an integer from 1 to"),
     ],
     ids=["unknown-flag", "malformed-value", "refused-combination", "unknown-config", "malformed-item", "no-change",
          "jobs-zero", "jobs-word"],
@@ -176,11 +176,29 @@ def test_golden_written_compared_and_never_overwritten_by_a_failed_run(tmp_path)
     fused.metadata["flags"] = control.metadata["flags"]
     res = golden.compare_with_golden("toy", fused, tols, tmp_path)
     assert res.status == "mismatch" and "step 1 grad norm" in res.message and res.failed
-    # another platform: not compared, and said plainly
-    doc["metadata"]["env"]["jaxlib"] = "0.0.1"
-    (tmp_path / "toy.json").write_text(json.dumps(doc))
+    # another CPU target or versions: compared at the stated cross-environment tolerance, the differences named
+    other = json.loads(saved)
+    other["metadata"]["env"]["jaxlib"] = "0.0.1"
+    other["metadata"]["env"]["cpu_target"] = {"source": "XLA CPU executable", "cpu": "haswell",
+                                              "features_sha256": "0123456789abcdef"}
+    (tmp_path / "toy.json").write_text(json.dumps(other))
     res = golden.compare_with_golden("toy", control, tols, tmp_path)
-    assert res.status == "skipped" and "NOT compared" in res.message and "jaxlib '0.0.1'" in res.message
+    assert res.status == "match" and not res.exact and not res.failed, res
+    assert "jaxlib '0.0.1'" in res.message and "haswell" in res.message
+    assert f"cross_env_rel {tols.golden_cross_env_rel:g}" in res.message
+    # ... and a control beyond it is a mismatch naming the step (the loss is compared too, not only its bits)
+    other["grad_norm"][1] *= 1 + 3 * tols.golden_cross_env_rel
+    other["loss"][2] *= 1 + 3 * tols.golden_cross_env_rel
+    (tmp_path / "toy.json").write_text(json.dumps(other))
+    res = golden.compare_with_golden("toy", control, tols, tmp_path)
+    assert res.status == "mismatch" and "step 2 grad norm" in res.message and "step 3 loss" in res.message
+    assert "step 1" not in res.message and "not to the bit" in res.message
+    # another platform or device count: another program, not compared, and said plainly
+    other = json.loads(saved)
+    other["metadata"]["env"]["platform"] = "tpu"
+    (tmp_path / "toy.json").write_text(json.dumps(other))
+    res = golden.compare_with_golden("toy", control, tols, tmp_path)
+    assert res.status == "skipped" and "NOT compared" in res.message and "platform 'tpu'" in res.message
     # a run with a dropped token is refused and the existing golden stays
     path.write_text(saved)
     bad = toy_run("dropped", {"drop_tokens": 2})

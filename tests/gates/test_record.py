@@ -106,14 +106,15 @@ def _unclosed(js):
 @pytest.mark.parametrize(
     "damage, reason",
     [
-        (lambda npz, js: _corrupt_npz(npz), "checksum mismatch"),
-        (lambda npz, js: npz.write_bytes(npz.read_bytes()[:100]), "checksum mismatch"),
-        (lambda npz, js: npz.unlink(), "missing arrays"),
-        (lambda npz, js: _truncate_json(js), "corrupt meta.json"),
-        (lambda npz, js: _stale_key(js), "stale entry"),
-        (lambda npz, js: _old_format(js), "format_version=2 is not one"),
-        (lambda npz, js: _unclosed(js), "unfinished entry"),
-        (lambda npz, js: npz.with_suffix(".json").unlink(), "has no sidecar"),
+        # the entry's checksum (gates.record.verify_entry) names the file before the record format is parsed
+        (lambda npz, js: _corrupt_npz(npz), "000002.npz: changed since the entry was written"),
+        (lambda npz, js: npz.write_bytes(npz.read_bytes()[:100]), "000002.npz: changed since the entry was written"),
+        (lambda npz, js: npz.unlink(), "000002.npz: missing"),
+        (lambda npz, js: _truncate_json(js), "meta.json: changed since the entry was written"),
+        (lambda npz, js: _stale_key(js), "meta.json: changed since the entry was written"),
+        (lambda npz, js: _old_format(js), "meta.json: changed since the entry was written"),
+        (lambda npz, js: _unclosed(js), "meta.json: changed since the entry was written"),
+        (lambda npz, js: npz.with_suffix(".json").unlink(), "000002.json: missing"),
     ],
     ids=["flipped-byte", "truncated-npz", "missing-npz", "truncated-json", "stale-key", "old-format", "unclosed",
          "torn-step"],
@@ -141,7 +142,7 @@ def test_checksum_covers_content_not_just_length(tmp_path):
     npz, npz_other = (c.path(KEY) / "steps" / "000002.npz" for c in (cache, other))
     assert npz_other.stat().st_size == npz.stat().st_size  # same layout, same size, other numbers
     npz.write_bytes(npz_other.read_bytes())
-    with pytest.raises(R.CacheEntryInvalid, match="checksum mismatch"):
+    with pytest.raises(R.CacheEntryInvalid, match="000002.npz: changed since the entry was written"):
         cache.load(KEY)
 
 
@@ -150,7 +151,7 @@ def test_no_temporary_files_left_behind(tmp_path):
     cache.store(KEY, synthetic_record(6))
     d = cache.path(KEY)
     assert [p.name for p in tmp_path.iterdir()] == [d.name]
-    assert sorted(p.name for p in d.iterdir()) == ["meta.json", "steps"]
+    assert sorted(p.name for p in d.iterdir()) == [R.ENTRY_CHECKSUM, "meta.json", "steps"]
     names = sorted(p.name for p in (d / "steps").iterdir())
     assert names == [f"00000{i}.{e}" for i in range(4) for e in ("json", "npz")]
 

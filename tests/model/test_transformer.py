@@ -30,7 +30,16 @@ SINGLE = (("ici_fsdp_parallelism", 1), ("ici_context_parallelism", 1), ("ici_exp
 
 @functools.cache
 def small_cfg():
-    return dataclasses.replace(config.load_config("tiny"), name="tiny-small", **SMALL)
+    """tiny's layers and flags at SMALL's dims; the tiles of the control and the tuned values at most their dims
+    (model.rules tile_within_dim refuses a larger one; the kernels would clip it to the same tile)."""
+    cfg = dataclasses.replace(config.load_config("tiny"), name="tiny-small", **SMALL)
+
+    def fit(key, value):
+        return min(value, rules.tile_dim(cfg, cfg.control, key)[0]) if key in flags_lib.TILE_KEYS else value
+
+    control = dataclasses.replace(cfg.control, **{k: fit(k, getattr(cfg.control, k)) for k in flags_lib.TILE_KEYS})
+    tuned = tuple((k, fit(k, v)) for k, v in cfg.tuned if fit(k, v) != getattr(control, k))
+    return dataclasses.replace(cfg, control=control, tuned=tuned)
 
 
 @functools.cache
