@@ -20,7 +20,7 @@ PYTHON = "3.12"
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Run the pytest suite in parallel (xdist); arguments after `--` go to pytest (e.g. `-- --runslow`)."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,plots]")
     session.run("pytest", "-n", "2", "--dist", "loadfile", *session.posargs)
 
 
@@ -38,7 +38,7 @@ def gates(session: nox.Session) -> None:
     Arguments after `--` go to `nxgates` (e.g. `-- --flags moe_wi_gmm_fused_swiglu=true`, `-- --config smoke`).
     Exit 0: all gates pass; 1: a gate fails; 2: bad flags, config or input (the message names the key and value).
     """
-    session.install("-e", ".")
+    session.install("-e", ".[plots]")
     session.run("python", "-m", "nxgates", *session.posargs)
 
 
@@ -52,5 +52,5 @@ def kernels(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def mutants(session: nox.Session) -> None:
     """Deliberately wrong kernels and flag paths: each must fail exactly the gates it declares."""
-    session.install("-e", ".")
+    session.install("-e", ".[plots]")
     session.run("python", "-m", "nxgates", "mutants", *session.posargs)

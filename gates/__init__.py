@@ -20,7 +20,7 @@ names what to set (``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLAT
 
 from __future__ import annotations
 
-__all__ = ["check", "BadInput", "Report"]
+__all__ = ["check", "explain", "BadInput", "Report"]
 
 
 def check(config: str = "tiny", flags=None, **kwargs):
@@ -28,6 +28,13 @@ def check(config: str = "tiny", flags=None, **kwargs):
     from nxgates.gates.suite import check as _check
 
     return _check(config, flags, **kwargs)
+
+
+def explain(config: str = "tiny", flags=None, candidate_context=None, **kwargs):
+    """See ``gates.explainer.explain``: the first op and layer where the candidate leaves the control, at step 1."""
+    from nxgates.gates.explainer import explain as _explain
+
+    return _explain(config, flags, candidate_context, **kwargs)
 
 
 def __getattr__(name):

@@ -12,6 +12,9 @@ Commands:
     golden          python -m nxgates golden [--config tiny]: rebuild fixtures/golden/<config>.json from a fresh control
     mutants         python -m nxgates mutants [--config tiny] [--only NAME ...]: deliberately wrong variants must fail
                     exactly their predicted gates (exit 0 when every one does)
+    explain         python -m nxgates explain [--config tiny] --flags k=v ... | --mutant NAME ... | --mutants: the first
+                    op and layer where the candidate leaves the control at step 1 (gates.explain); exit 0 when no tap
+                    is over its bound, 1 otherwise (--mutant/--mutants: 0 once explained)
     compare         python -m nxgates compare CONTROL CANDIDATE [--reference REF] [--contract rounding|exact]
                     [--tolerances FILE] [--json] [--out DIR]: the six gates on recorded runs of any trainer
                     (gates.compare, docs/records.md); exit 0 pass, 1 a gate fails, 2 bad or insufficient records
@@ -40,7 +43,7 @@ from nxgates.gates.errors import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "compare", "calibrate-records",
-            "import-metrics")
+            "import-metrics", "explain")
 RECORD_COMMANDS = {"calibrate-records": "calibrate_records", "import-metrics": "metrics_log"}  # records only
 
 
@@ -93,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", action="store_true",
                      help="print per record the seconds to trace, lower, compile and execute, and the totals")
     run.add_argument("--golden-dir", default=None, help="golden records (default fixtures/golden)")
+    run.add_argument("--no-explain", action="store_true", help="do not explain the failing checks (gates.explain)")
+    ex = sub.add_parser("explain", help="the first op and layer where the candidate leaves the control (step 1)")
+    common(ex)
+    ex.add_argument("--flags", nargs="+", action="extend", metavar="K=V", help="the check to explain")
+    ex.add_argument("--mutant", nargs="+", action="extend", metavar="NAME", help="explain these mutants")
+    ex.add_argument("--mutants", action="store_true", help="explain every mutant (table: injected op, named op)")
     cal = sub.add_parser("calibrate", help="measure the distances behind the tolerances")
     common(cal)
     cal.add_argument("--benign", nargs="+", action="extend", metavar="K=V",
@@ -261,6 +270,10 @@ def _main(argv: list[str], api, api_factory: str | None = None) -> int:
             from nxgates.gates import mutants
 
             return mutants.main(args, api)
+        if args.command == "explain":
+            from nxgates.gates import explainer
+
+            return explainer.main(args, api, parse_flag_items(args.flags))
     except bad as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -287,7 +300,8 @@ def _run(args, api, custom_api: bool, argv: list[str], api_factory: str | None =
                              cache_dir=args.cache_dir, use_cache=not args.no_cache, tolerances_path=args.tolerances,
                              golden_dir=args.golden_dir, progress=_progress,
                              on_check=lambda partial: partial.write(out), jobs=jobs, command=command,
-                             accelerator=args.accelerator, api_factory=api_factory, profile=rows)
+                             accelerator=args.accelerator, api_factory=api_factory, profile=rows,
+                             explain=not args.no_explain)
     except suite.Interrupted as e:
         e.report.write(out)
         why = "SIGTERM" if isinstance(e.__context__, _Terminated) else "Ctrl-C"

@@ -3,6 +3,10 @@
 Per check: gate, step, the metric against the control, against the float32 reference, the bound each is held to
 (``0 (exact)`` or the tolerance against the control; ``max(tol, (1 + slack) * m(control, reference))`` against the
 reference), the verdict; then the first failing step and the worst tensor (largest gradient rel L2 against the control).
+A failing check's explanation (``gates.explain``: the first op and layer over its bound at step 1) follows its table:
+the line in the terminal, the line and every tap in ``gates.md`` and ``gates.json``. ``write`` also draws, where
+matplotlib is installed (the ``plots`` extra), each check's gate curves and each explanation's heatmap as PNG files
+beside the reports, linked from ``gates.md`` (``gates.plots``); the text stays complete without them.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Report:
     tolerances: Tolerances
     wall_s: float = 0.0
     pending: list = dataclasses.field(default_factory=list)  # checks not run yet (a partial report)
+    plots: dict = dataclasses.field(default_factory=dict)  # check name -> [(title, file name)] (set by write)
     # "complete"; "incomplete" (written while the run goes on: if its process is gone, it was killed);
     # "interrupted" (Ctrl-C / SIGTERM: the checks done before it)
     status: str = "complete"
@@ -109,6 +114,9 @@ class Report:
         name, value = check.worst_tensor
         worst = f"{name} (gradient rel L2 {_fmt(value)})" if value > 0 else "none (every gradient tensor equal)"
         lines.append(f"  first failing step: {step if step is not None else 'none'}; worst tensor vs control: {worst}")
+        ex = getattr(check, "explanation", None)
+        if ex is not None:
+            lines.append(f"  explain (step 1, first tap over its bound): {ex if isinstance(ex, str) else ex.line()}")
         rm = check.routing_mismatch
         if rm:
             lines.append("  routing replayed from the control; own top-k would differ on (layer, token) pairs "
@@ -159,6 +167,12 @@ class Report:
             parts.append("")
             parts.append(tabulate(self.rows(c), headers=HEADERS, tablefmt="github", disable_numparse=True))
             parts.append("")
+            for title, name in self.plots.get(c.spec.name, []):
+                parts += [f"![{title}]({name})", ""]
+            ex = getattr(c, "explanation", None)
+            if ex is not None and not isinstance(ex, str):
+                parts += ["<details><summary>every tap of the explanation (step 1)</summary>", "", "```",
+                          ex.text(), "```", "", "</details>", ""]
             if self.rows(c, lens=True):
                 parts += ["float32 lens:", "",
                           tabulate(self.rows(c, lens=True), headers=HEADERS, tablefmt="github", disable_numparse=True),
@@ -197,6 +211,7 @@ class Report:
                     "implementations": c.implementations,
                     "wall_s": c.wall_s,
                     "gates": [r.as_dict() for r in c.results],
+                    "explanation": _explanation_json(getattr(c, "explanation", None)),
                     "lens_passed": getattr(c, "lens_passed", None),
                     "lens_gates": [r.as_dict() for r in getattr(c, "lens_results", None) or ()],
                     "lens_problems": list(getattr(c, "lens_problems", ())),
@@ -208,5 +223,15 @@ class Report:
 
     def write(self, out_dir: str | pathlib.Path = "reports") -> tuple[pathlib.Path, pathlib.Path]:
         out = pathlib.Path(out_dir)
+        if self.status == "complete" and not self.pending:  # partial reports get their pictures at the end
+            from nxgates.gates import plots
+
+            self.plots = plots.report_plots(self, out)
         return (atomic.write_json_atomic(out / "gates.json", self.to_json(), sort_keys=False),  # status first
                 atomic.write_text_atomic(out / "gates.md", self.to_markdown()))
+
+
+def _explanation_json(ex):
+    if ex is None:
+        return None
+    return {"line": ex} if isinstance(ex, str) else ex.to_json()

@@ -73,6 +73,8 @@ class CheckResult:
     # Routing replay: per step, the (layer, token) pairs whose own top-k differed from the control's replayed choice,
     # {"candidate": [...], "reference": [...]}; empty for a model without routing.
     routing_mismatch: dict = dataclasses.field(default_factory=dict)
+    # A failing check's explanation (gates.explainer.Explanation, or a str saying why there is none); None: not asked.
+    explanation: object = None
     # The float32 lens (rounding checks; None when not run): the gates on the float32 control and candidate.
     lens_results: list[gates_lib.GateResult] | None = None
     lens_problems: list[str] = dataclasses.field(default_factory=list)

@@ -114,6 +114,7 @@ def check(
     command: str | None = None,
     accelerator: bool = False,
     profile: list | None = None,
+    explain: bool = True,
 ):
     """Run the gates: ``flags=None`` checks every tuning flag alone and the tuned combination; otherwise one check
     of ``flags`` ({key: value or string}) plus the prerequisite tuning flags the model's rules name (printed).
@@ -128,13 +129,16 @@ def check(
     written into the report (default: this call). The real model runs on 8 host CPU devices
     (``nxgates.devices.use_host_devices``, set up here when jax has not started yet; if it has, with fewer devices,
     a ``RuntimeError`` says what to set); ``accelerator=True``: on jax's default devices instead. ``profile``: a list
-    that gets one ``gates.profile.row`` per record (where the time went; ``nxgates run --profile``)."""
+    that gets one ``gates.profile.row`` per record (where the time went; ``nxgates run --profile``). ``explain``:
+    every failing check gets its explanation (``gates.explainer``: the first op and layer over its bound at step 1)."""
     _validate_args(config, flags, api, settings, tiles, cache_dir, use_cache, tolerances_path, golden_dir, progress,
                    on_check, jobs, api_factory, command)
     if profile is not None and not isinstance(profile, list):
         raise BadInput(f"profile={profile!r} must be a list or None")
     if not isinstance(accelerator, bool):
         raise BadInput(f"accelerator={accelerator!r} must be True or False")
+    if not isinstance(explain, bool):
+        raise BadInput(f"explain={explain!r} must be True or False")
     if api is None and not accelerator:
         from nxgates.devices import use_host_devices
 
@@ -169,6 +173,10 @@ def check(
             prefetch(runner, specs, jobs, cache_dir, api_factory=api_factory)
         for spec in specs:
             checks.append(runner.run_check(spec))
+            if explain and not checks[-1].passed:
+                from nxgates.gates.explainer import explain_failed
+
+                checks[-1].explanation = explain_failed(runner, spec)
             if on_check is not None and len(checks) < len(specs):
                 on_check(report("incomplete"))
         if profile is not None:

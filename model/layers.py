@@ -24,10 +24,12 @@ Tests: ``python -m pytest tests/model/test_layers.py -q``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from nxgates.kernels.gdn import context_parallel
 from nxgates.model import ops
 
 F32 = jnp.float32
@@ -100,6 +102,17 @@ class Ctx:
     # The ops this build dispatched, {op: implementation}: owned by the build (model.transformer.build_log_probs
     # clears it at each trace and its function returns it), never a module global.
     record: dict[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # The taps of an explained build (``model.taps.TapSession``, ``build_log_probs(..., explain=True)``); None
+    # otherwise, and then the tap methods below return their value untouched (the program is unchanged).
+    taps: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    def tap(self, op: str, x, label: str = "", backward: bool = True):
+        """``x``; when explaining, its forward value and (``backward``) its cotangent are tapped."""
+        return x if self.taps is None else self.taps.value(op, x, label, backward)
+
+    def tap_call(self, op: str, fn, args, names, diff, label: str = ""):
+        """``fn(*args)``; when explaining, its output and the cotangents of the inputs ``diff`` are tapped."""
+        return fn(*args) if self.taps is None else self.taps.call(op, fn, args, names, diff, label)
 
     def op(self, name: str, impl: str, **options):
         """``model.ops.dispatch`` of op ``name`` in implementation ``impl``, recorded in this build's ``record``."""
@@ -251,11 +264,45 @@ def _gdn_impl(ctx: Ctx):
             dh_fold = ctx.op("gdn_cp_dh_fold", "dh_scan", interpret=ctx.interpret)
         else:
             dh_fold = ctx.op("gdn_cp_dh_fold", "tree")
-        return ctx.op(
+        fn = ctx.op(
             "gdn", "cp", chunk_size=d.gdn_chunk, axis_name="context", fold=fold, dh_fold=dh_fold,
             interpret=ctx.interpret,
         )
+        if ctx.taps is not None:  # the folds the op runs, for the explain taps (_tapped_gdn)
+            fn = functools.partial(fn)
+            fn.folds = (fold, dh_fold)
+        return fn
     return ctx.op("gdn", "xla", chunk_size=d.gdn_chunk, axis_name="context", context_size=ctx.context)
+
+
+def _tapped_gdn(ctx: Ctx, gdn_fn, q, k, v, g, beta):
+    """The ``gdn`` op with its taps (explain only): the context-parallel fold of this rank's chunk maps (forward), the
+    op's output and input cotangents, and the dh fold of the backward's transposed maps (recomputed from the output's
+    cotangent). The reference taps the same folds computed in float32 (chunk maps of ``chunk_terms`` at HIGHEST,
+    composed by the pairwise tree)."""
+    d, f = ctx.dims, ctx.flags
+    cp = f.gdn_cp_mode == "seq" and ctx.context > 1
+    if cp:
+        # forward only: the fold's input recomputed without a gradient path (the Pallas kernels have no JVP)
+        q_, k_, v_, g_, beta_ = (jax.lax.stop_gradient(x) for x in (q, k, v, g, beta))
+        if ctx.reference:
+            fold, dh_fold = context_parallel.fold_tree, context_parallel.fold_tree
+            maps = context_parallel.rank_maps_f32(q_, k_, v_, g_, beta_, chunk_size=d.gdn_chunk)
+        else:
+            fold, dh_fold = gdn_fn.folds
+            maps = context_parallel.rank_maps(q_, k_, v_, g_, beta_, chunk_size=d.gdn_chunk, interpret=ctx.interpret)
+        m_rank, b_rank = fold(*maps)
+        ctx.taps.forward("gdn_cp_fold", {"M": m_rank, "B": b_rank})
+    o, _ = ctx.taps.call("gdn", gdn_fn, (q, k, v, g, beta, None), ("q", "k", "v", "g", "beta", "initial_state"),
+                         (0, 1, 2, 3, 4))
+    if cp:
+        def dh(d_o, q_, k_, v_, g_, beta_):
+            mt, gt = context_parallel.dh_fold_inputs(q_, k_, v_, g_, beta_, d_o, chunk_size=d.gdn_chunk)
+            m_rank, g_rank = dh_fold(mt, gt)
+            return {"M": m_rank, "G": g_rank}
+
+        o = ctx.taps.deposit("gdn_cp_dh_fold", o, dh, (q, k, v, g, beta))
+    return o
 
 
 def gdn_layer(ctx: Ctx, W: Weights, h):
@@ -298,9 +345,14 @@ def gdn_layer(ctx: Ctx, W: Weights, h):
     a = ctx.dot("BSD,DH->BSH", h_ctg, W("a_proj"), out_dtype=F32)  # [B, S_l, Hv]
     beta = jax.nn.sigmoid(ctx.dot("BSD,DH->BSH", h_ctg, W("b_proj"), out_dtype=F32))
     g = -jnp.exp(W("A_log", F32)) * jax.nn.softplus(a + W("dt_bias", F32))  # log decay <= 0, float32
-    o, _ = _gdn_impl(ctx)(q, k, v, g, beta, None)  # [B, S_l, Hv, V]
+    gdn_fn = _gdn_impl(ctx)
+    if ctx.taps is None:
+        o, _ = gdn_fn(q, k, v, g, beta, None)  # [B, S_l, Hv, V]
+    else:
+        o = _tapped_gdn(ctx, gdn_fn, q, k, v, g, beta)
     z = ctx.dot("BSD,DN->BSN", h_ctg, W("z_proj"), out_dtype=F32).reshape(b, s_local, hv, dv)
-    o = rms_norm(o, W("out_norm", F32), d.norm_eps, F32) * jax.nn.silu(z)  # gated RMSNorm, [B, S_l, Hv, V]
+    o = ctx.tap("norm", rms_norm(o, W("out_norm", F32), d.norm_eps, F32), "gdn_out")
+    o = o * jax.nn.silu(z)  # gated RMSNorm, [B, S_l, Hv, V]
     out = ctx.dot("BSN,ND->BSD", o.reshape(b, s_local, hv * dv).astype(ctx.cdt), W("out_proj"))  # [B, S_l, D]
     if ctx.load_balance and ctx.context > 1:
         # contiguous -> zigzag: gather the natural order, take this rank's zigzag positions
@@ -347,13 +399,18 @@ def attention_layer(ctx: Ctx, W: Weights, h, ids):
     q, gate = qg[..., :hd], qg[..., hd:]
     k = ctx.dot("BSD,DN->BSN", h, W("k_proj")).reshape(b, s_local, hkv, hd)  # [B, S_l, Hkv, Dh]
     v = ctx.dot("BSD,DN->BSN", h, W("v_proj")).reshape(b, s_local, hkv, hd)
-    q = rope(rms_norm(q, W("q_norm", F32), d.norm_eps, ctx.cdt), q_pos, d.rotary_dim, d.rope_theta)
-    k = rope(rms_norm(k, W("k_norm", F32), d.norm_eps, ctx.cdt), q_pos, d.rotary_dim, d.rope_theta)
+    q = rope(ctx.tap("norm", rms_norm(q, W("q_norm", F32), d.norm_eps, ctx.cdt), "q"), q_pos, d.rotary_dim,
+             d.rope_theta)
+    k = rope(ctx.tap("norm", rms_norm(k, W("k_norm", F32), d.norm_eps, ctx.cdt), "k"), q_pos, d.rotary_dim,
+             d.rope_theta)
     if ctx.context > 1:
         k = jax.lax.all_gather(k, "context", axis=1, tiled=True)  # [B, S, Hkv, Dh], rank-major like kv_pos
         v = jax.lax.all_gather(v, "context", axis=1, tiled=True)
     attn = ctx.op("attention", "reference" if ctx.reference else "xla")
-    o = attn(q, k, v, (q_pos, kv_pos), (q_seg, kv_seg))  # [B, S_l, Hq, Dh]
+    if ctx.load_balance:
+        ctx.tap("lb_ids", q_pos)  # the positions of this rank's queries (hoisted or per layer: the same tap)
+    o = ctx.tap_call("attention", attn, (q, k, v, (q_pos, kv_pos), (q_seg, kv_seg)),
+                     ("q", "k", "v", "positions", "segment_ids"), (0, 1, 2))  # [B, S_l, Hq, Dh]
     o = (o.astype(F32) * jax.nn.sigmoid(gate.astype(F32))).astype(ctx.cdt)  # sigmoid output gate
     return ctx.dot("BSN,ND->BSD", o.reshape(b, s_local, hq * hd), W("out_proj"))  # [B, S_l, D]
 

@@ -111,6 +111,12 @@ def expert_weight(ctx: Ctx, W: Weights, name: str, hoisted, like):
         w = W(name)  # [E_l, K, N]
         amax = ctx.op("fp8_amax", "absmax", hoisted=False)(w, (1,), None)  # [E_l, 1, N]
         w = ctx.op("fp8_fake_quant", "reference")(w, amax)
+    if ctx.taps is not None and f.fp8_moe_fake_quant:
+        # hoisted or per layer, the same taps: the scale used and the fp8-rounded weight (its cotangent in the
+        # backward: the straight-through gradient)
+        ctx.taps.forward("fp8_amax", {"scale": hoisted[1] if hoisted is not None else ops.scale_from_amax(amax)},
+                         name)
+        w = ctx.tap("fp8_fake_quant", w, name)
     return match_vma(w, like)
 
 
@@ -172,6 +178,7 @@ def moe_block(ctx: Ctx, W: Weights, h, hoisted_wi=None, hoisted_wo=None, replay=
     if replay is not None:
         replay = (replay[0].reshape(b * s_local, k), replay[1])
     top_w, top_e, own = route(ctx, h_td, W("router", F32), replay)
+    top_w = ctx.tap("router", top_w)  # the renormalized routing weights [T, k]
     ep, e_local = ctx.expert, d.num_experts // ctx.expert
     if ep > 1:
         # every expert rank sees the tokens of all expert ranks (rank-major), [N = ep * T, ...]
@@ -193,7 +200,8 @@ def moe_block(ctx: Ctx, W: Weights, h, hoisted_wi=None, hoisted_wo=None, replay=
     r_sorted = jnp.take(jnp.where(is_local, w_all.reshape(n * k), 0.0), order)  # [N * k] f32
     wi = expert_weight(ctx, W, "wi", hoisted_wi, x_sorted)  # [E_l, D, 2F]
     wo = expert_weight(ctx, W, "wo", hoisted_wo, x_sorted)  # [E_l, F, D]
-    y_sorted = _moe_impl(ctx)(x_sorted, wi, wo, group_sizes, r_sorted)  # [N * k, D]
+    y_sorted = ctx.tap_call("moe_mlp", _moe_impl(ctx), (x_sorted, wi, wo, group_sizes, r_sorted),
+                            ("x", "wi", "wo", "group_sizes", "route_weights"), (0, 1, 2, 4))  # [N * k, D]
     inverse = jnp.argsort(order)  # sorted row of each pair
     y_pairs = jnp.take(y_sorted, inverse, axis=0).astype(F32).reshape(n, k, dm)  # [N, k, D]
     y_tok = jnp.sum(y_pairs, axis=1)  # [N, D] f32
@@ -209,6 +217,6 @@ def moe_block(ctx: Ctx, W: Weights, h, hoisted_wi=None, hoisted_wo=None, replay=
     h_shared = jax.nn.silu(gate_up[:, :fs].astype(F32)) * gate_up[:, fs:].astype(F32)  # [T, Fs]
     shared = ctx.dot("TF,FD->TD", h_shared, W("shared_wo"), out_dtype=F32)  # [T, D]
     shared_gate = jax.nn.sigmoid(ctx.dot("TD,DO->TO", h_td, W("shared_gate"), out_dtype=F32))  # [T, 1]
-    y = (y_tok + shared_gate * shared).astype(ctx.cdt)
+    y = (y_tok + ctx.tap("shared_expert", shared_gate * shared)).astype(ctx.cdt)
     return y.reshape(b, s_local, dm), dropped, own.reshape(b, s_local, k)
 

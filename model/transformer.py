@@ -37,6 +37,7 @@ Run: ``python -m nxgates.model.bench`` (one forward + backward of tiny on 8 host
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import zlib
 
@@ -47,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from nxgates.model import rules as rules_lib
 from nxgates.model import sharding as sh
+from nxgates.model import taps as taps_lib
 from nxgates.model.layers import (
     F32,
     Ctx,
@@ -164,7 +166,12 @@ def _local_gather_dims(spec_tree) -> dict:
     return jax.tree_util.tree_map(dim, spec_tree, is_leaf=lambda x: isinstance(x, P))
 
 
-def build_log_probs(cfg, flags, *, precision: str, mesh):
+def _scope(ctx, name, probes):
+    """The taps' scope ``name`` when explaining (``model.taps``), else nothing."""
+    return contextlib.nullcontext() if ctx.taps is None else ctx.taps.scope(name, probes)
+
+
+def build_log_probs(cfg, flags, *, precision: str, mesh, explain: bool = False):
     """``fn(params, tokens) -> (logp [B, S-1] f32, {"dropped_tokens": int32})`` on ``mesh``; jittable, differentiable.
 
     ``precision="production"``: bf16 compute from the f32 master weights, f32 accumulation, the kernels the flags
@@ -172,6 +179,12 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
     ``"lens"``: the production code path (the same kernels, fused epilogues, folds, hoists and tiles) with float32
     activations and weights, every matmul at HIGHEST. fp8 fake-quant keeps its e4m3 grid in the lens (the codes and
     scales from the float32 master weights, as in the reference), so the hoist is compared like for like.
+
+    ``explain=True`` (``gates.explain`` only; ``model/taps.py``): ``fn(params, tokens, routing, probes)`` also returns
+    the taps' forward values in ``aux["taps"]`` (``{scope: {key: {part: [devices, ...]}}}``, layer scopes stacked per
+    layer group: ``[devices, G, ...]``), and the gradient with respect to ``probes`` (zeros shaped by
+    ``fn.probe_shapes(params, tokens, routing)``) is the taps' backward values; ``fn.tap_specs()`` lists each scope's
+    taps in trace order. ``explain=False`` builds exactly the program it always did.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} must be one of {PRECISIONS}")
@@ -188,7 +201,7 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
     ctx = Ctx(
         dims=dims, flags=flags, precision=precision, fsdp=sizes["fsdp"], context=sizes["context"],
         expert=sizes["expert"], seq_len=cfg.seq_len, load_balance=lb,
-        interpret=mesh.devices.flat[0].platform == "cpu",
+        interpret=mesh.devices.flat[0].platform == "cpu", taps=taps_lib.TapSession() if explain else None,
     )
     shapes = param_shapes(cfg)
     shape_structs = jax.tree_util.tree_map(
@@ -202,28 +215,42 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
     batch_ranks = sizes["fsdp"] * sizes["expert"]
     seq_multiple = sizes["context"] * (2 if lb else 1)
 
-    def layer(kind, i, x, lp, hoisted, ids, replay):
-        gd = gdims[f"layer_{i}"]
-        Wx = Weights(ctx, lp[kind], gd[kind])
-        h = rms_norm(x, Wx("norm", F32), dims.norm_eps, ctx.cdt)
-        mix = gdn_layer(ctx, Wx, h) if kind == "gdn" else attention_layer(ctx, Wx, h, ids)
-        x = x + mix
-        Wm = Weights(ctx, lp["moe"], gd["moe"])
-        h = rms_norm(x, Wm("norm", F32), dims.norm_eps, ctx.cdt)
-        hoisted_wi, hoisted_wo = (None, None) if hoisted is None else (hoisted["wi"], hoisted["wo"])
-        y, dropped, own = moe_block(ctx, Wm, h, hoisted_wi, hoisted_wo, replay)
-        return x + y, (dropped, own)
+    norm = functools.partial(rms_norm, eps=dims.norm_eps, out_dtype=ctx.cdt)
+
+    def layer(kind, i, x, lp, hoisted, ids, replay, probes=None):
+        with _scope(ctx, f"layer_{i}", probes) as scope:
+            gd = gdims[f"layer_{i}"]
+            Wx = Weights(ctx, lp[kind], gd[kind])
+            h = ctx.tap_call("norm", norm, (x, Wx("norm", F32)), ("x", "scale"), (0,), "mixer")
+            mix = gdn_layer(ctx, Wx, h) if kind == "gdn" else attention_layer(ctx, Wx, h, ids)
+            x = x + ctx.tap("mixer", mix)
+            Wm = Weights(ctx, lp["moe"], gd["moe"])
+            h = ctx.tap_call("norm", norm, (x, Wm("norm", F32)), ("x", "scale"), (0,), "moe")
+            hoisted_wi, hoisted_wo = (None, None) if hoisted is None else (hoisted["wi"], hoisted["wo"])
+            y, dropped, own = moe_block(ctx, Wm, h, hoisted_wi, hoisted_wo, replay)
+            y = ctx.tap("moe", y)
+        if ctx.taps is None:
+            return x + y, (dropped, own)
+        return x + y, (dropped, own, scope.forward)
 
     layer_fns = [
         jax.checkpoint(functools.partial(layer, kind, i), policy=policy, prevent_cse=not flags.scan_layers)
         for i, kind in enumerate(PATTERN)
     ]
 
-    def local_forward(params, tokens, targets, replay_ids, replay_on):
+    def local_forward(params, tokens, targets, replay_ids, replay_on, probes=None):
         """Per device: ``tokens, targets [B_local, S_local]``, ``replay_ids [G, P, B_local, S_local, k]`` ->
-        ``(logp [B_local, S_local], dropped, own routing [G, P, B_local, S_local, k])``."""
+        ``(logp [B_local, S_local], dropped, own routing [G, P, B_local, S_local, k])`` (+ the forward taps when
+        explaining; ``probes``: this device's, each with a leading axis of 1)."""
+        if explain:
+            probes = jax.tree.map(lambda a: a[0], probes)
+            taps_out = {}
         table = Weights(ctx, params["embed"], {"embedding": sh.gather_dim(specs["embed"]["embedding"])})("embedding")
         x = jnp.take(table, tokens, axis=0)  # [B_l, S_l, D]
+        with _scope(ctx, "embed", probes.get("embed") if explain else None) as scope:
+            x = ctx.tap("embed", x)
+        if explain:
+            taps_out["embed"] = scope.forward
         ids = attention_ids(ctx, hoisted=True) if hoist_ids else None
         hoisted = None
         if gather8:
@@ -235,47 +262,68 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
             }
 
         def group(x, xs):
-            gp, hg, rg = xs  # rg: this group's replayed routing [P, B_l, S_l, k]
+            gp, hg, rg = xs[:3]  # rg: this group's replayed routing [P, B_l, S_l, k]
             dropped = jnp.int32(0)
             owns = []
+            taps_g = {}
             for i in range(len(PATTERN)):
-                x, (dr, own) = layer_fns[i](x, gp[f"layer_{i}"], None if hg is None else hg[f"layer_{i}"], ids,
-                                            (rg[i], replay_on))
-                dropped = dropped + dr
-                owns.append(own)
+                probe_args = (xs[3].get(f"layer_{i}", {}),) if explain else ()
+                x, out = layer_fns[i](x, gp[f"layer_{i}"], None if hg is None else hg[f"layer_{i}"], ids,
+                                      (rg[i], replay_on), *probe_args)
+                dropped = dropped + out[0]
+                owns.append(out[1])
+                if explain:
+                    taps_g[f"layer_{i}"] = out[2]
+            if explain:
+                return x, (dropped, jnp.stack(owns), taps_g)
             return x, (dropped, jnp.stack(owns))
 
+        layer_probes = (probes.get("layers", {}),) if explain else ()
         if flags.scan_layers:
-            x, (dropped, own) = jax.lax.scan(group, x, (params["layers"], hoisted, replay_ids))
-            dropped = jnp.sum(dropped)
+            x, ys = jax.lax.scan(group, x, (params["layers"], hoisted, replay_ids, *layer_probes))
+            dropped, own = jnp.sum(ys[0]), ys[1]
+            if explain:
+                taps_out["layers"] = ys[2]
         else:
             dropped = jnp.int32(0)
-            owns = []
+            ys = []
             for gi in range(groups):
                 take = functools.partial(jax.tree_util.tree_map, lambda a, gi=gi: a[gi])
-                x, (dr, ow) = group(x, (take(params["layers"]), None if hoisted is None else take(hoisted),
-                                        replay_ids[gi]))
-                dropped = dropped + dr
-                owns.append(ow)
-            own = jnp.stack(owns)
-        h = rms_norm(x, Weights(ctx, params["final_norm"], {"scale": sh.gather_dim(specs["final_norm"]["scale"])})(
-            "scale", F32), dims.norm_eps, ctx.cdt)
-        w_head = Weights(ctx, params["lm_head"], {"kernel": sh.gather_dim(specs["lm_head"]["kernel"])})("kernel")
-        logits = ctx.dot("BSD,DV->BSV", h, w_head, out_dtype=F32)  # [B_l, S_l, V]
-        logp_all = jax.nn.log_softmax(logits, axis=-1)
-        logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]  # [B_l, S_l]
+                x, y = group(x, (take(params["layers"]), None if hoisted is None else take(hoisted),
+                                 replay_ids[gi], *map(take, layer_probes)))
+                dropped = dropped + y[0]
+                ys.append(y)
+            own = jnp.stack([y[1] for y in ys])
+            if explain:
+                taps_out["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *[y[2] for y in ys])
+        with _scope(ctx, "head", probes.get("head") if explain else None) as scope:
+            h = ctx.tap_call("norm", norm, (x, Weights(ctx, params["final_norm"], {
+                "scale": sh.gather_dim(specs["final_norm"]["scale"])})("scale", F32)), ("x", "scale"), (0,), "final")
+            w_head = Weights(ctx, params["lm_head"], {"kernel": sh.gather_dim(specs["lm_head"]["kernel"])})("kernel")
+            logits = ctx.tap_call("lm_head", functools.partial(ctx.dot, "BSD,DV->BSV", out_dtype=F32), (h, w_head),
+                                  ("h", "kernel"), (0,))  # [B_l, S_l, V]
+            logp_all = jax.nn.log_softmax(logits, axis=-1)
+            logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]  # [B_l, S_l]
+            logp = ctx.tap("logp", logp)
         dropped = jax.lax.psum(dropped, ("fsdp", "context"))
+        if explain:
+            taps_out["head"] = scope.forward
+            return logp, dropped, own, jax.tree.map(lambda a: a[None], taps_out)
         return logp, dropped, own
 
     tok_spec = P(sh.BATCH_AXES, "context")
     route_spec = P(None, None, sh.BATCH_AXES, "context", None)  # [G, P, B, S, k]
+    dev_spec = P(sh.AXES)  # explain: the taps and probes of every device, stacked on a leading axis
+    extra = (dev_spec,) if explain else ()
     sharded = jax.shard_map(
-        local_forward, mesh=mesh, in_specs=(specs, tok_spec, tok_spec, route_spec, P()),
-        out_specs=(tok_spec, P(), route_spec), check_vma=CHECK_VMA
+        local_forward, mesh=mesh, in_specs=(specs, tok_spec, tok_spec, route_spec, P(), *extra),
+        out_specs=(tok_spec, P(), route_spec, *extra), check_vma=CHECK_VMA
     )
     routing_shape = (groups, len(PATTERN), cfg.batch_size, cfg.seq_len, dims.top_k)
 
-    def log_probs(params, tokens, routing=None):
+    def log_probs(params, tokens, routing=None, probes=None):
+        if probes is not None and not explain:
+            raise ValueError("probes: only a model built with explain=True takes probes")
         ctx.record.clear()  # this trace's dispatches replace the previous trace's
         if tokens.ndim != 2:
             raise ValueError(f"tokens.shape={tokens.shape} must be [B, S]")
@@ -302,16 +350,42 @@ def build_log_probs(cfg, flags, *, precision: str, mesh):
                                  "(groups, pattern, batch, seq, top_k)")
             replay_ids, replay_on = jnp.asarray(replay_ids, jnp.int32), jnp.asarray(replay_on, jnp.bool_)
         # natural -> zigzag, like the tokens (replay_ids itself stays natural for the record below)
-        logp, dropped, own = sharded(params, tokens, targets, replay_ids[:, :, :, order] if lb else replay_ids,
-                                     replay_on)
+        outs = sharded(params, tokens, targets, replay_ids[:, :, :, order] if lb else replay_ids, replay_on,
+                       *(({} if probes is None else probes),) if explain else ())
+        logp, dropped, own = outs[:3]
         if lb:
             back = jnp.argsort(order)  # zigzag -> natural
             logp, own = logp[:, back], own[:, :, :, back]
         used = jnp.where(replay_on, replay_ids, own)
         # Tokens (per layer) whose own top-k set differs from the one used (0 without replay).
         mismatch = jnp.sum(jnp.any(jnp.sort(own, axis=-1) != jnp.sort(used, axis=-1), axis=-1)).astype(jnp.int32)
-        return logp[:, : s - 1], {"dropped_tokens": dropped, "routing": used, "routing_mismatch": mismatch}
+        aux = {"dropped_tokens": dropped, "routing": used, "routing_mismatch": mismatch}
+        if explain:
+            aux["taps"] = outs[3]
+        return logp[:, : s - 1], aux
 
     log_probs.routing_shape = routing_shape
+    if explain:
+        n_dev = mesh.devices.size
+
+        def probe_shapes(params, tokens, routing=None):
+            """The global shapes of the probes (a trace without them: ``jax.eval_shape``)."""
+            jax.eval_shape(functools.partial(log_probs, routing=routing), params, tokens)
+            shapes = ctx.taps.shapes
+            out = {"embed": {}, "head": {}, "layers": {}}
+            for scope, keys in shapes.items():
+                lead = (n_dev, groups) if scope.startswith("layer_") else (n_dev,)
+                tree = {k: {p: jax.ShapeDtypeStruct(lead + sd.shape, sd.dtype) for p, sd in parts.items()}
+                        for k, parts in keys.items()}
+                if scope.startswith("layer_"):
+                    out["layers"][scope] = tree
+                else:
+                    out[scope] = tree
+            return out
+
+        log_probs.probe_shapes = probe_shapes
+        log_probs.tap_specs = lambda: dict(ctx.taps.specs)
+        log_probs.pattern = PATTERN
+        log_probs.groups = groups
     log_probs.implementations = lambda: dict(ctx.record)  # what the last trace dispatched, {op: implementation}
     return log_probs

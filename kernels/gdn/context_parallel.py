@@ -130,13 +130,62 @@ def _to_invariant(x, axis_name):
     return jax.lax.psum(jnp.where(idx == 0, x, jnp.zeros_like(x)), axis_name)
 
 
+def _dh_maps(q, k, v, g, beta, d_o, chunk_size, scale):
+    """The backward's transposed maps in application order (last chunk first), the dh fold's input: ``(mt [N, B, H,
+    K, K], gt [N, B, H, K, V])`` from float32 ``q, k, v, g, beta`` and the output's cotangent ``d_o``."""
+    b, t, h, _ = q.shape
+    n = t // chunk_size
+    vdim = v.shape[3]
+    terms = _ops.chunk_terms(q, k, v, g, beta, chunk_size=chunk_size, scale=scale, low=False)
+    m_maps, _ = _ops.chunk_maps_from_terms(terms)  # [B, H, N, K, K]
+    # P_c = d o_c / d S_in = qd - aqk w  [B, H, N, C, K]; G_c = P_c^T do_c  [B, H, N, K, V]
+    p_c = terms["qd"] - jnp.einsum("BHNCD,BHNDK->BHNCK", terms["aqk"], terms["w"], precision=_HI)
+    # do: [B, T, H, V] -> [B, N, C, H, V] -> [B, H, N, C, V]
+    d_o_c = jnp.transpose(d_o.reshape(b, n, chunk_size, h, vdim), (0, 3, 1, 2, 4))
+    g_c = jnp.einsum("BHNCK,BHNCV->BHNKV", p_c, d_o_c, precision=_HI)
+    # The backward's maps in application order: last chunk first, transposed. [B, H, N, K, *] -> [N, B, H, K, *]
+    mt = jnp.flip(jnp.moveaxis(jnp.swapaxes(m_maps, -1, -2), 2, 0), 0)
+    gt = jnp.flip(jnp.moveaxis(g_c, 2, 0), 0)
+    return mt, gt
+
+
+# Explain taps (gates.explain via model.layers): the folds' inputs recomputed outside the custom_vjp, exactly as
+# _gdn_cp_fwd / _gdn_cp_bwd compute them.
+
+
+def rank_maps(q, k, v, g, beta, *, chunk_size=64, scale=None, interpret=False):
+    """The forward fold's input on this rank (the Pallas chunk kernel's maps, chunk axis first)."""
+    scale = _ops.validate(q, k, v, g, beta, chunk_size=chunk_size, scale=scale, initial_state=None,
+                          name="rank_maps")[-1]
+    return _chunk_maps(q, k, v, g, beta, chunk_size, scale, interpret)
+
+
+def rank_maps_f32(q, k, v, g, beta, *, chunk_size=64, scale=None):
+    """The forward fold's input computed in float32 at HIGHEST (``chunk_terms``), for the float32 reference."""
+    scale = _ops.validate(q, k, v, g, beta, chunk_size=chunk_size, scale=scale, initial_state=None,
+                          name="rank_maps_f32")[-1]
+    f32 = tuple(x.astype(_F32) for x in (q, k, v, g, beta))
+    m_maps, b_maps = _ops.chunk_maps_from_terms(_ops.chunk_terms(*f32, chunk_size=chunk_size, scale=scale, low=False))
+    return jnp.moveaxis(m_maps, 2, 0), jnp.moveaxis(b_maps, 2, 0)
+
+
+def dh_fold_inputs(q, k, v, g, beta, d_o, *, chunk_size=64, scale=None):
+    """The dh fold's input on this rank for the output cotangent ``d_o`` (as ``_gdn_cp_bwd`` computes it)."""
+    scale = _ops.validate(q, k, v, g, beta, chunk_size=chunk_size, scale=scale, initial_state=None,
+                          name="dh_fold_inputs")[-1]
+    f32 = tuple(x.astype(_F32) for x in (q, k, v, g, beta))
+    return _dh_maps(*f32, d_o.astype(_F32), chunk_size, scale)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 def _gdn_cp(q, k, v, g, beta, state0, axis_name, fold, dh_fold, chunk_size, scale, interpret):
     out, _ = _gdn_cp_fwd(q, k, v, g, beta, state0, axis_name, fold, dh_fold, chunk_size, scale, interpret)
     return out
 
 
-def _gdn_cp_fwd(q, k, v, g, beta, state0, axis_name, fold, dh_fold, chunk_size, scale, interpret):
+def _chunk_maps(q, k, v, g, beta, chunk_size, scale, interpret):
+    """This rank's chunk maps from the Pallas chunk kernel (zero state), chunk axis first: ``(m [N, B, H, K, K],
+    b [N, B, H, K, V])``, the fold's input."""
     b, _, h, kdim = q.shape
     vdim = v.shape[3]
     zeros = jnp.zeros((b, h, kdim, vdim), _F32)
@@ -144,7 +193,11 @@ def _gdn_cp_fwd(q, k, v, g, beta, state0, axis_name, fold, dh_fold, chunk_size, 
         q, k, v, g, beta, zeros, chunk_size=chunk_size, scale=scale, interpret=interpret, with_maps=True
     )
     # [B, H, N, K, *] -> [N, B, H, K, *]: the fold runs over the leading (chunk) axis.
-    m_rank, b_rank = fold(jnp.moveaxis(m_maps, 2, 0), jnp.moveaxis(b_maps, 2, 0))
+    return jnp.moveaxis(m_maps, 2, 0), jnp.moveaxis(b_maps, 2, 0)
+
+
+def _gdn_cp_fwd(q, k, v, g, beta, state0, axis_name, fold, dh_fold, chunk_size, scale, interpret):
+    m_rank, b_rank = fold(*_chunk_maps(q, k, v, g, beta, chunk_size, scale, interpret))
     m_all = jax.lax.all_gather(m_rank, axis_name)  # [R, B, H, K, K]
     b_all = jax.lax.all_gather(b_rank, axis_name)  # [R, B, H, K, V]
     states = _chain(m_all, b_all, state0.astype(_F32))  # [R + 1, B, H, K, V]
@@ -166,20 +219,8 @@ def _gdn_cp_bwd(axis_name, fold, dh_fold, chunk_size, scale, interpret, res, cts
     vma = _vma_on(q, axis_name)
     if not vma:  # check_vma=False: each rank was handed cotangent / R of the replicated final state.
         d_final = jax.lax.psum(d_final, axis_name)
-    b, t, h, kdim = q.shape
-    n = t // chunk_size
-    vdim = v.shape[3]
     f32 = tuple(x.astype(_F32) for x in (q, k, v, g, beta))
-    terms = _ops.chunk_terms(*f32, chunk_size=chunk_size, scale=scale, low=False)
-    m_maps, _ = _ops.chunk_maps_from_terms(terms)  # [B, H, N, K, K]
-    # P_c = d o_c / d S_in = qd - aqk w  [B, H, N, C, K]; G_c = P_c^T do_c  [B, H, N, K, V]
-    p_c = terms["qd"] - jnp.einsum("BHNCD,BHNDK->BHNCK", terms["aqk"], terms["w"], precision=_HI)
-    # do: [B, T, H, V] -> [B, N, C, H, V] -> [B, H, N, C, V]
-    d_o_c = jnp.transpose(d_o.reshape(b, n, chunk_size, h, vdim), (0, 3, 1, 2, 4))
-    g_c = jnp.einsum("BHNCK,BHNCV->BHNKV", p_c, d_o_c, precision=_HI)
-    # The backward's maps in application order: last chunk first, transposed. [B, H, N, K, *] -> [N, B, H, K, *]
-    mt = jnp.flip(jnp.moveaxis(jnp.swapaxes(m_maps, -1, -2), 2, 0), 0)
-    gt = jnp.flip(jnp.moveaxis(g_c, 2, 0), 0)
+    mt, gt = _dh_maps(*f32, d_o, chunk_size, scale)
     mt_rank, g_rank = dh_fold(mt, gt)
     mt_all = jax.lax.all_gather(mt_rank, axis_name)  # [R, B, H, K, K]
     g_all = jax.lax.all_gather(g_rank, axis_name)  # [R, B, H, K, V]
