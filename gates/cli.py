@@ -15,6 +15,9 @@ Commands:
     explain         python -m nxgates explain [--config tiny] --flags k=v ... | --mutant NAME ... | --mutants: the first
                     op and layer where the candidate leaves the control at step 1 (gates.explain); exit 0 when no tap
                     is over its bound, 1 otherwise (--mutant/--mutants: 0 once explained)
+    resolution      python -m nxgates resolution [--config tiny] [--flags k=v ...] [--eps E ...]: the smallest error
+                    of known size, injected into the op each rounding flag changes, that the bf16 gates and the
+                    float32 lens fail (gates.resolution); exit 0 when measured, 1 when a flag's own check failed
     compare         python -m nxgates compare CONTROL CANDIDATE [--reference REF] [--contract rounding|exact]
                     [--tolerances FILE] [--json] [--out DIR]: the six gates on recorded runs of any trainer
                     (gates.compare, docs/records.md); exit 0 pass, 1 a gate fails, 2 bad or insufficient records
@@ -43,8 +46,19 @@ from nxgates.gates.errors import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "compare", "calibrate-records",
-            "import-metrics", "explain")
+            "import-metrics", "explain", "resolution")
 RECORD_COMMANDS = {"calibrate-records": "calibrate_records", "import-metrics": "metrics_log"}  # records only
+
+
+def _eps(text: str) -> float:  # argparse names it in its message: "invalid eps value"
+    """``--eps`` items: a number in (0, 1) (argparse turns the ValueError into exit 2 naming the value)."""
+    value = float(text)
+    if not (0.0 < value < 1.0):
+        raise ValueError(text)
+    return value
+
+
+_eps.__name__ = "eps"
 
 
 def _progress(msg: str) -> None:
@@ -120,6 +134,12 @@ def _parser() -> argparse.ArgumentParser:
     mu = sub.add_parser("mutants", help="deliberately wrong variants must fail exactly their predicted gates")
     common(mu)
     mu.add_argument("--only", nargs="+", action="extend", metavar="NAME", help="run only these mutants")
+    rs = sub.add_parser("resolution", help="the smallest injected error each lens fails, per rounding flag and gate")
+    common(rs)
+    rs.add_argument("--flags", nargs="+", action="extend", metavar="K=V",
+                    help="one check (default: each rounding flag)")
+    rs.add_argument("--eps", nargs="+", type=_eps, metavar="E", help="the relative errors to inject (default "
+                    "1e-6 .. 1e-1, one per decade)")
     sub.add_parser("kernels", help="per-kernel tolerance report (gates.kernel_report)", add_help=False)
     cmp = sub.add_parser("compare", help="the six gates on recorded runs (docs/records.md)")
     cmp.add_argument("control", help="the control's run directory")
@@ -246,7 +266,7 @@ def _main(argv: list[str], api, api_factory: str | None = None) -> int:
         print(f"error: the model package is not importable: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     bad = (BadInput, api.config_error)
-    if args.command in ("run", "calibrate", "mutants") and not args.no_compile_cache:
+    if args.command in ("run", "calibrate", "mutants", "resolution") and not args.no_compile_cache:
         from nxgates.gates import profile
 
         if profile.active_compilation_cache_dir() is None:  # (a process may have one already: the test harness's)
@@ -270,6 +290,10 @@ def _main(argv: list[str], api, api_factory: str | None = None) -> int:
             from nxgates.gates import mutants
 
             return mutants.main(args, api)
+        if args.command == "resolution":
+            from nxgates.gates import resolution
+
+            return resolution.main(args, api, parse_flag_items(args.flags))
         if args.command == "explain":
             from nxgates.gates import explainer
 

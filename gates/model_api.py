@@ -37,6 +37,7 @@ class ModelAPI:
     with_prerequisites: Callable[[Any, Mapping[str, Any]], dict] | None = None  # (cfg, overrides) -> + prerequisites
     place_params: Callable[[Any, Any], Any] | None = None  # (params, mesh) -> params placed on the mesh
     override: Callable[[str, Callable], Any] | None = None  # model.ops.override (the mutants inject through it)
+    wrap: Callable[[str, Callable], Any] | None = None  # model.ops.wrap (gates.resolution injects through it)
     source_dirs: tuple[str, ...] = SOURCE_DIRS
 
 
@@ -85,4 +86,5 @@ def default_model_api() -> ModelAPI:
         with_prerequisites=mrules.with_prerequisites,
         place_params=msharding.shard_params,
         override=mops.override,
+        wrap=mops.wrap,
     )

@@ -102,7 +102,7 @@ def _real_moe_mlp(flags):
     )
 
 
-def _with_backward_edit(real, edit, name):
+def with_backward_edit(real, edit, name):
     """``real``'s forward and backward, then ``edit(primals, dy, grads) -> grads`` on the cotangents."""
 
     @jax.custom_vjp
@@ -142,7 +142,7 @@ def _dswiglu_missing_factor(cfg, flags):
         dwi = (dwi.astype(jnp.float32) + reference.tgmm(x, d_delta, gs)).astype(dwi.dtype)
         return dx, dwi, dwo, dr
 
-    return [("moe_mlp", _with_backward_edit(_real_moe_mlp(flags), edit, "moe_mlp_dswiglu_missing_factor"))]
+    return [("moe_mlp", with_backward_edit(_real_moe_mlp(flags), edit, "moe_mlp_dswiglu_missing_factor"))]
 
 
 def _d_route_weighted(cfg, flags):
@@ -152,7 +152,7 @@ def _d_route_weighted(cfg, flags):
         dx, dwi, dwo, dr = grads
         return dx, dwi, dwo, (dr * r.astype(dr.dtype)).astype(dr.dtype)
 
-    return [("moe_mlp", _with_backward_edit(_real_moe_mlp(flags), edit, "moe_mlp_d_route_weighted"))]
+    return [("moe_mlp", with_backward_edit(_real_moe_mlp(flags), edit, "moe_mlp_d_route_weighted"))]
 
 
 def _group_boundary_off_by_one(cfg, flags):
@@ -241,7 +241,7 @@ def _d_route_stale_scale(cfg, flags):
         dx, dwi, dwo, dr = grads
         return dx, dwi, dwo, (dr.astype(jnp.float32) * (1.0 - 2.0**-6)).astype(dr.dtype)
 
-    return [("moe_mlp", _with_backward_edit(_real_moe_mlp(flags), edit, "moe_mlp_d_route_stale_scale"))]
+    return [("moe_mlp", with_backward_edit(_real_moe_mlp(flags), edit, "moe_mlp_d_route_stale_scale"))]
 
 
 def _m_scan_damped(cfg, flags):

@@ -5,7 +5,9 @@ with the static ``options``, e.g. the GMM flags and tiles) and writes which impl
 dict the caller owns: ``model.transformer.build_log_probs`` gives each built model its own (``Ctx.record``, cleared at
 the start of every trace) and the built function returns it (``fn.implementations()``). ``override(name, fn)`` replaces
 op ``name`` for everything traced while it is active and records ``"override:<fn.__name__>"`` (this is how the gates'
-deliberately wrong variants are injected).
+deliberately wrong variants are injected). ``wrap(name, wrapper)`` keeps the op the flags select and traces
+``wrapper(fn)`` in its place, recorded as ``"wrap:<wrapper.__name__>(<what it wraps>)"`` (``gates.resolution`` injects
+errors of a known size into the op a flag changes this way).
 
 Ops and signatures (all called inside the model's ``shard_map`` on per-device shards):
 
@@ -48,6 +50,7 @@ OP_NAMES = ("moe_mlp", "gdn", "gdn_cp_fold", "gdn_cp_dh_fold", "fp8_fake_quant",
 # name -> impl -> factory(**options) -> fn
 _FACTORIES: dict[str, dict[str, Callable[..., Callable]]] = {name: {} for name in OP_NAMES}
 _OVERRIDES: dict[str, list[Callable]] = {}
+_WRAPPERS: dict[str, list[Callable]] = {}
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -89,13 +92,18 @@ def dispatch(name: str, impl: str, *, record: dict[str, str] | None, **options) 
     stack = _OVERRIDES.get(name)
     if stack:
         fn = stack[-1]
-        record[name] = f"override:{getattr(fn, '__name__', type(fn).__name__)}"
-        return fn
-    table = _FACTORIES[name]
-    if impl not in table:
-        raise ValueError(f"dispatch: impl={impl!r} is not an implementation of op {name!r}; known: {sorted(table)}")
-    record[name] = _describe(impl, options)
-    return table[impl](**options)
+        chosen = f"override:{getattr(fn, '__name__', type(fn).__name__)}"
+    else:
+        table = _FACTORIES[name]
+        if impl not in table:
+            raise ValueError(f"dispatch: impl={impl!r} is not an implementation of op {name!r}; known: {sorted(table)}")
+        chosen = _describe(impl, options)
+        fn = table[impl](**options)
+    for wrapper in _WRAPPERS.get(name, ()):
+        fn = wrapper(fn)
+        chosen = f"wrap:{getattr(wrapper, '__name__', type(wrapper).__name__)}({chosen})"
+    record[name] = chosen
+    return fn
 
 
 @contextlib.contextmanager
@@ -113,6 +121,21 @@ def override(name: str, fn: Callable) -> Iterator[None]:
         yield
     finally:
         _OVERRIDES[name].pop()
+
+
+@contextlib.contextmanager
+def wrap(name: str, wrapper: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Trace ``wrapper(fn)`` in place of op ``name``'s function ``fn`` (the implementation the flags select, or an
+    active override) for everything traced inside the ``with`` block; wrappers entered later wrap the earlier ones."""
+    if name not in _FACTORIES:
+        raise ValueError(f"wrap: name={name!r} is not an op; ops are {OP_NAMES}")
+    if not callable(wrapper):
+        raise ValueError(f"wrap: wrapper={wrapper!r} is not callable")
+    _WRAPPERS.setdefault(name, []).append(wrapper)
+    try:
+        yield
+    finally:
+        _WRAPPERS[name].pop()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

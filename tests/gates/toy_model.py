@@ -59,6 +59,7 @@ class ToyConfig:
 CONFIGS = {"toy": ToyConfig()}
 _FIELDS = {f.name: f for f in dataclasses.fields(ToyFlags)}
 _OVERRIDES: dict[str, object] = {}
+_WRAPPERS: dict[str, object] = {}
 
 
 def load_config(name: str) -> ToyConfig:
@@ -117,6 +118,15 @@ def init_params(cfg: ToyConfig, seed: int):
 
 
 @contextlib.contextmanager
+def wrap(name: str, wrapper):
+    _WRAPPERS[name] = wrapper
+    try:
+        yield
+    finally:
+        del _WRAPPERS[name]
+
+
+@contextlib.contextmanager
 def override(name: str, fn):
     _OVERRIDES[name] = fn
     try:
@@ -131,7 +141,11 @@ def build_log_probs(cfg: ToyConfig, flags: ToyFlags, *, precision: str, mesh=Non
     dt = jnp.float32 if f32 else jnp.bfloat16
     prec = HI if f32 else None
     act = _OVERRIDES.get("activation", jax.nn.silu)
-    chosen = {"activation": f"override:{act.__name__}" if "activation" in _OVERRIDES else "silu",
+    act_name = f"override:{act.__name__}" if "activation" in _OVERRIDES else "silu"
+    if "activation" in _WRAPPERS:  # wrap(): the chosen activation inside the wrapper (model.ops.wrap's semantics)
+        act_name = f"wrap:{_WRAPPERS['activation'].__name__}({act_name})"
+        act = _WRAPPERS["activation"](act)
+    chosen = {"activation": act_name,
               "mlp": "fused" if flags.moe_wi_gmm_fused_swiglu else "unfused"}
 
     def mm(a, b):
@@ -213,6 +227,7 @@ def api() -> ModelAPI:
         config_files=lambda name: [pathlib.Path(__file__)],
         source_dirs=(),
         override=override,
+        wrap=wrap,
     )
 
 
