@@ -18,6 +18,8 @@ Commands:
     resolution      python -m nxgates resolution [--config tiny] [--flags k=v ...] [--eps E ...]: the smallest error
                     of known size, injected into the op each rounding flag changes, that the bf16 gates and the
                     float32 lens fail (gates.resolution); exit 0 when measured, 1 when a flag's own check failed
+    false-alarms    python -m nxgates false-alarms [--config tiny] [--only tiles folds seeds] [--seeds N]: benign
+                    variants through both lenses (gates.false_alarms); exit 0 when none fails
     compare         python -m nxgates compare CONTROL CANDIDATE [--reference REF] [--contract rounding|exact]
                     [--tolerances FILE] [--json] [--out DIR]: the six gates on recorded runs of any trainer
                     (gates.compare, docs/records.md); exit 0 pass, 1 a gate fails, 2 bad or insufficient records
@@ -46,7 +48,7 @@ from nxgates.gates.errors import BadInput
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 COMMANDS = ("run", "kernels", "calibrate", "list-flags", "golden", "mutants", "compare", "calibrate-records",
-            "import-metrics", "explain", "resolution")
+            "import-metrics", "explain", "resolution", "false-alarms")
 RECORD_COMMANDS = {"calibrate-records": "calibrate_records", "import-metrics": "metrics_log"}  # records only
 
 
@@ -140,6 +142,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="one check (default: each rounding flag)")
     rs.add_argument("--eps", nargs="+", type=_eps, metavar="E", help="the relative errors to inject (default "
                     "1e-6 .. 1e-1, one per decade)")
+    fa = sub.add_parser("false-alarms", help="benign variants must pass both lenses (how many tried, how many failed)")
+    common(fa)
+    fa.add_argument("--only", nargs="+", action="extend", choices=("tiles", "folds", "seeds"),
+                    help="the kinds of variant (default all)")
+    fa.add_argument("--seeds", type=int, default=1, help="other batch seeds for the default rounding checks (1)")
     sub.add_parser("kernels", help="per-kernel tolerance report (gates.kernel_report)", add_help=False)
     cmp = sub.add_parser("compare", help="the six gates on recorded runs (docs/records.md)")
     cmp.add_argument("control", help="the control's run directory")
@@ -266,7 +273,7 @@ def _main(argv: list[str], api, api_factory: str | None = None) -> int:
         print(f"error: the model package is not importable: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     bad = (BadInput, api.config_error)
-    if args.command in ("run", "calibrate", "mutants", "resolution") and not args.no_compile_cache:
+    if args.command in ("run", "calibrate", "mutants", "resolution", "false-alarms") and not args.no_compile_cache:
         from nxgates.gates import profile
 
         if profile.active_compilation_cache_dir() is None:  # (a process may have one already: the test harness's)
@@ -290,6 +297,10 @@ def _main(argv: list[str], api, api_factory: str | None = None) -> int:
             from nxgates.gates import mutants
 
             return mutants.main(args, api)
+        if args.command == "false-alarms":
+            from nxgates.gates import false_alarms
+
+            return false_alarms.main(args, api)
         if args.command == "resolution":
             from nxgates.gates import resolution
 

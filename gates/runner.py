@@ -130,7 +130,10 @@ class Runner:
         progress: Callable[[str], None] | None = stderr,
         lens: bool | None = None,
         lens_tolerances: Tolerances | None = None,
+        batch_case: str = "batch",
     ):
+        """``batch_case``: the case id the batch's seed derives from (``<config>/<batch_case>``; another one gives
+        other tokens, mask and advantages: ``gates.false_alarms``)."""
         self.api = api or default_model_api()
         self.config_name = config
         self.cfg = self.api.load_config(config)  # unknown name -> ConfigError naming it
@@ -149,7 +152,8 @@ class Runner:
         self._lens_tolerances = lens_tolerances
         self.base_flags = self.api.base_flags(self.cfg)
         self.env = environment()
-        self.seeds = {"params": protocol.seed_for(f"{config}/params"), "batch": protocol.seed_for(f"{config}/batch")}
+        self.seeds = {"params": protocol.seed_for(f"{config}/params"),
+                      "batch": protocol.seed_for(f"{config}/{batch_case}")}
         batch_size, seq_len, vocab = self.api.dims(self.cfg)
         self.batch = protocol.make_batch(batch_size, seq_len, vocab, self.seeds["batch"])
         self._params0 = None
