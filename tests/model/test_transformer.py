@@ -285,6 +285,33 @@ def test_override_is_used_by_the_model():
     assert overridden.implementations()["attention"] == "override:counting_attention"
 
 
+def _forward_logp(overrides: tuple = (), precision: str = "production") -> np.ndarray:
+    """The log-probs of a fresh build (forward only, nothing cached: an active override is traced in)."""
+    cfg = small_cfg()
+    flags = rules.flags_for(cfg, dict(overrides))
+    log_probs = transformer.build_log_probs(cfg, flags, precision=precision, mesh=sharding.make_mesh(flags))
+    params, tokens = _inputs()
+    return np.asarray(jax.jit(lambda p, t: log_probs(p, t)[0])(params, tokens))
+
+
+@pytest.mark.timeout(900)
+def test_lens_keeps_the_fp8_grid_and_sees_a_wrong_fp8_scale():
+    """The float32 lens keeps fp8 fake-quant's e4m3 grid (codes and scales from the float32 master weights, as the
+    reference does), so it cannot hide an fp8 bug: a scale 2^-6 off moves the lens far past float32 noise."""
+    assert small_cfg().control.fp8_moe_fake_quant
+    lens, ref = _forward_logp((), "lens"), _forward_logp((), "reference")
+    noise = rel_l2(lens, ref)
+    assert noise < 1e-5  # only float32 reassociation: the lens quantizes like the reference
+    real = ops.dispatch("fp8_fake_quant", "reference", record=None)
+
+    def fp8_wrong_scale(w, amax):
+        return real(w, amax * (1.0 + 2.0**-6))
+
+    with ops.override("fp8_fake_quant", fp8_wrong_scale):
+        bad = _forward_logp((), "lens")
+    assert rel_l2(bad, lens) > 100 * max(noise, 1e-7), (rel_l2(bad, lens), noise)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # bad input
 # ----------------------------------------------------------------------------------------------------------------------
