@@ -181,15 +181,15 @@ def run_resolution(config: str = "tiny", *, flags: dict | None = None, eps_grid=
                                     progress=progress)
     if r.api.wrap is None:
         raise BadInput("resolution injects through the model API's wrap (model.ops.wrap): this API has none")
-    if not r.lens:
-        raise BadInput(f"resolution compares the bf16 gates with the float32 lens, and {r.tolerances.path} has no "
-                       "[lens.*] bounds (python -m nxgates calibrate --lens)")
     if flags:
         specs = [r.user_spec(flags)]
         if specs[0].contract != "rounding":
             raise BadInput(f"--flags {flags}: an exact check (bit-identity) has no resolution to measure")
     else:
         specs = [s for s in r.default_specs() if s.contract == "rounding" and len(s.keys) == 1]
+    if not r.lens:
+        raise BadInput(f"resolution compares the bf16 gates with the float32 lens, and {r.tolerances.path} has no "
+                       "[lens.*] bounds (python -m nxgates calibrate --lens)")
     where = [(s, s.keys[0], (sites or {}).get(s.keys[0]) or site_of(s.keys[0])) for s in specs]  # before any run
     out = []
     for spec, key, site in where:

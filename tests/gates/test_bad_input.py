@@ -155,6 +155,17 @@ COMMANDS_CORPUS = [
      ["--flags item 'x' is malformed"]),
     ("mutants-cache-under-a-file", ["mutants", "--config", "smoke", "--out", F + "/mu", "--cache-dir",
                                     F + "/a_file/c"], ["--cache-dir=", "cannot be written"]),
+    ("resolution-eps-too-large", ["resolution", "--eps", "1.5"], ["argument --eps: invalid eps value: '1.5'"]),
+    ("resolution-eps-zero", ["resolution", "--eps", "0"], ["argument --eps: invalid eps value: '0'"]),
+    ("resolution-exact-flag", ["resolution", "--config", "smoke", "--out", F + "/rs", "--cache-dir", F + "/c",
+                               "--flags", "fp8_fake_quant_hoist=gather8"], ["exact check", "fp8_fake_quant_hoist"]),
+    ("resolution-unknown-flag", ["resolution", "--config", "smoke", "--out", F + "/rs", "--cache-dir", F + "/c",
+                                 "--flags", "gdn_cp_m_scn=true"], ["gdn_cp_m_scn", "did you mean 'gdn_cp_m_scan'"]),
+    ("resolution-out-under-a-file", ["resolution", "--config", "smoke", "--out", F + "/a_file/r"],
+     ["--out=", "cannot be written"]),
+    ("false-alarms-kind", ["false-alarms", "--only", "tile"], ["argument --only: invalid choice: 'tile'"]),
+    ("false-alarms-seeds", ["false-alarms", "--config", "smoke", "--out", F + "/fa", "--cache-dir", F + "/c",
+                            "--seeds", "0"], ["--seeds 0: must be an integer >= 1"]),
 ]
 
 
