@@ -15,14 +15,17 @@ compiling or running anything.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib
+import json
 import os
 import pathlib
 import platform
 import re
 import subprocess
+import tomllib
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,9 +47,35 @@ def routing_digest(replay) -> str:
     return h.hexdigest()
 
 
+def code_bytes(path: pathlib.Path) -> bytes:
+    """What of a file can change a record: a Python file's syntax tree without its docstrings (``ast.dump`` keeps no
+    comments, no line numbers, no formatting), a TOML file's data (keys sorted), so an edit of a comment, a docstring
+    or the layout gives the same bytes; any other file, or one that does not parse, its bytes as they are."""
+    data = path.read_bytes()
+    if path.suffix == ".toml":
+        try:
+            return json.dumps(tomllib.loads(data.decode()), sort_keys=True, default=str).encode()
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+            return data
+    if path.suffix != ".py":
+        return data
+    try:
+        tree = ast.parse(data)
+    except (SyntaxError, ValueError):
+        return data
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree).encode()
+
+
 def source_hash(dirs: tuple[str, ...] = SOURCE_DIRS, files: tuple[str, ...] = SOURCE_FILES,
                 extra: list[pathlib.Path] = ()) -> str:
-    """sha256 over the .py files of the packages ``nxgates.<dir>`` (sorted), ``files`` and ``extra``, names included."""
+    """sha256 over the code of the .py files of the packages ``nxgates.<dir>`` (sorted; ``code_bytes``: docstrings,
+    comments and layout do not count), ``files`` and ``extra``, names included."""
     h = hashlib.sha256()
     paths = []
     roots = {d: pathlib.Path(importlib.import_module(f"nxgates.{d}").__file__).resolve().parent for d in dirs}
@@ -59,7 +88,7 @@ def source_hash(dirs: tuple[str, ...] = SOURCE_DIRS, files: tuple[str, ...] = SO
         if p.is_file():
             h.update(name.encode())
             h.update(b"\0")
-            h.update(p.read_bytes())
+            h.update(code_bytes(p))
             h.update(b"\0")
     return h.hexdigest()
 

@@ -227,3 +227,23 @@ def test_an_edit_that_changes_no_program_finds_the_record(tmp_path, monkeypatch)
     r._src_hash = "another activation"
     with toy_model.override("activation", jax.nn.gelu):
         assert r.shared_record(r.base_flags, "production", "control")[1] == "computed"
+
+
+def test_the_sources_key_ignores_docstrings_comments_and_layout_not_code(tmp_path):
+    """An edit of a docstring, a comment or the layout keeps the sources' key (the record is read, nothing lowered);
+    a code edit, or a changed config value, does not."""
+    from nxgates.gates import provenance
+
+    def digest(name, text):
+        (tmp_path / name).write_text(text)
+        return provenance.code_bytes(tmp_path / name)
+
+    base = digest("a.py", '"""Module."""\n\n\ndef f(x):\n    """One."""\n    return x + 1\n')
+    assert digest("b.py", '"""Other."""\n# note\n\ndef f(x):  # why\n    """Two."""\n    return (x +\n            1)\n') \
+        == base
+    assert digest("c.py", '"""Module."""\n\n\ndef f(x):\n    """One."""\n    return x + 2\n') != base
+    assert digest("d.py", "def f(x):\n    return 'a string that is not a docstring', x + 1\n") != base
+    cfg = digest("a.toml", "# comment\n[model]\nhidden = 64\nlayers = 2\n")
+    assert digest("b.toml", "[model]\nlayers = 2  # why\nhidden = 64\n") == cfg
+    assert digest("c.toml", "[model]\nhidden = 65\nlayers = 2\n") != cfg
+    assert digest("broken.py", "def f(:\n") == b"def f(:\n"  # does not parse: its bytes
