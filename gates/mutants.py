@@ -425,7 +425,9 @@ def clearance(results, gate: str) -> float:
 
 
 def run_mutants(config: str = "tiny", *, api=None, only=None, cache_dir=None, progress=None,
-                mutants: tuple[Mutant, ...] = MUTANTS) -> list[MutantResult]:
+                mutants: tuple[Mutant, ...] = MUTANTS, lens: bool | None = None) -> list[MutantResult]:
+    """Every mutant of ``mutants`` (or those named in ``only``) through its check; ``lens``: the runner's float32 lens
+    (None: on when the tolerance table has ``[lens.*]``)."""
     from nxgates.gates import record as record_lib
     from nxgates.gates import runner as runner_lib
     from nxgates.gates.errors import BadInput
@@ -436,7 +438,8 @@ def run_mutants(config: str = "tiny", *, api=None, only=None, cache_dir=None, pr
         if n not in names:
             raise BadInput(f"--only {n}: unknown mutant; mutants are {names}")
     chosen = [m for m in mutants if not only or m.name in only]
-    r = runner_lib.Runner(config, api=api, cache=record_lib.RecordCache(cache_dir, log=progress), progress=progress)
+    r = runner_lib.Runner(config, api=api, cache=record_lib.RecordCache(cache_dir, log=progress), progress=progress,
+                          lens=lens)
     base = r.api.as_dict(r.base_flags)
     specs = []
     for m in chosen:  # every combination is validated before anything runs
