@@ -2,7 +2,8 @@
 
 Compilation is single-threaded, so two processes on two cores roughly halve the wall time of ``nxgates run``. The
 control is computed first in the calling process (every other record replays its routing); the reference and every
-candidate with the config's default control go to the workers. Nothing is trusted from a failed worker: its check
+candidate with the config's default control go to the workers, and, when the float32 lens runs, the lens's control
+and each rounding candidate in the lens. Nothing is trusted from a failed worker: its check
 computes the record itself later.
 
 Workers never outlive the process that started them: each one, when it starts, asks the kernel to kill it when its
@@ -88,11 +89,12 @@ def load_api_factory(spec: str):
 
 
 def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str,
-                  api_factory: str = DEFAULT_API_FACTORY, xla_dir: str | None = None) -> tuple[str, dict]:
-    """Worker process: one record into the cache (``overrides=None``: the float32 reference), replaying the
-    control's routing read from the cache (once per worker process). Returns how the record was obtained and its
-    ``gates.profile.row``. ``xla_dir``: the parent's persistent compilation cache (a spawned process starts without
-    it)."""
+                  api_factory: str = DEFAULT_API_FACTORY, xla_dir: str | None = None,
+                  precision: str = "production") -> tuple[str, dict]:
+    """Worker process: one record into the cache (``overrides=None``: the float32 reference; else the control with
+    ``overrides`` at ``precision``, "production" or the float32 lens's "lens"), replaying the control's routing read
+    from the cache (once per worker process). Returns how the record was obtained and its ``gates.profile.row``.
+    ``xla_dir``: the parent's persistent compilation cache (a spawned process starts without it)."""
     key = (config, tuple(sorted(settings.items())), cache_dir, api_factory)
     if key not in _WORKER:
         if xla_dir is not None:
@@ -103,7 +105,7 @@ def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides:
         _WORKER[key] = (r, control_routing(control))
     r, replay = _WORKER[key]
     r.progress = lambda m: stderr(f"  [{label}] {m.split('] ', 1)[-1]}")
-    flags, precision = (r.base_flags, "reference") if overrides is None else (r.flags_from(overrides), "production")
+    flags, precision = (r.base_flags, "reference") if overrides is None else (r.flags_from(overrides), precision)
     how = r.shared_record(flags, precision, label, replay)[1]
     # The record is on disk now; keep only the control in this process's memory (a record is ~140 MB on tiny).
     r._records.pop(record_lib.key_digest(r.key_parts(flags, precision, replay)), None)
@@ -122,12 +124,17 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
     replay = control_routing(control)
     base = runner.api.as_dict(runner.base_flags)
     jobs_list = [(None, "reference", runner.base_flags, "reference")]
+    lens = runner.lens and any(spec.contract == "rounding" for spec in specs)
+    if lens:  # the float32 lens's control, shared by every rounding check
+        jobs_list.append(({}, "control-lens", runner.base_flags, "lens"))
     for spec in specs:
         control_flags, candidate_flags = runner.resolve(spec)
         if runner.api.as_dict(control_flags) != base:
             continue
         changed = {k: v for k, v in runner.api.as_dict(candidate_flags).items() if base.get(k) != v}
         jobs_list.append((changed, f"candidate[{spec.name}]", candidate_flags, "production"))
+        if lens and spec.contract == "rounding":
+            jobs_list.append((changed, f"candidate-lens[{spec.name}]", candidate_flags, "lens"))
     t = time.perf_counter()
     runner.progress(f"[{t - runner.t0:7.1f}s] prefetch: {len(jobs_list)} records in {jobs} worker processes")
     pool = worker_pool(jobs)
@@ -135,7 +142,7 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
         settings = runner.settings.as_dict()
         xla_dir = active_compilation_cache_dir()
         futures = {pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label, api_factory,
-                               xla_dir):
+                               xla_dir, precision):
                    (label, record_lib.key_digest(runner.key_parts(flags, precision, replay)))
                    for ov, label, flags, precision in jobs_list}
         for fut in concurrent.futures.as_completed(futures):

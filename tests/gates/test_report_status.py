@@ -183,3 +183,19 @@ def test_a_signal_prints_one_line_and_exits_130(tmp_path, where, sig, jobs):
     doc = json.loads((tmp_path / "out" / "gates.json").read_text())
     assert doc["status"] == "interrupted"
     assert (tmp_path / "out" / "gates.md").read_text().startswith("**status: INTERRUPTED")
+
+
+def test_prefetch_workers_compute_the_float32_lens_records(tmp_path, capsys):
+    """With the lens on, the workers compute its control and each rounding candidate in the lens too, so the checks
+    read every record from the cache (the lens is not left to the main process, one record after another)."""
+    code = cli.main(["run", "--config", "toy", "--jobs", "2", "--out", str(tmp_path / "out"), "--cache-dir",
+                     str(tmp_path / "cache"), "--flags", "moe_wi_gmm_fused_swiglu=true", "--no-explain"],
+                    api=toy_model.api(), api_factory="tests.gates.toy_model:api")
+    err = capsys.readouterr().err
+    assert code in (0, 1), err
+    doc = json.loads((tmp_path / "out" / "gates.json").read_text())
+    records = doc["checks"][0]["records"]
+    assert doc["checks"][0]["lens_passed"] is not None, records  # the lens ran (the repository table has [lens.*])
+    for name in ("reference", "candidate", "control-lens", "candidate-lens"):
+        assert "by a prefetch worker of this run" in records[name], (name, records)
+    assert "prefetch: control-lens computed" in err and "prefetch: candidate-lens[" in err
