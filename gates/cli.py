@@ -118,6 +118,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--flags", nargs="+", action="extend", metavar="K=V", help="the check to explain")
     ex.add_argument("--mutant", nargs="+", action="extend", metavar="NAME", help="explain these mutants")
     ex.add_argument("--mutants", action="store_true", help="explain every mutant (table: injected op, named op)")
+    ex.add_argument("--lens", action="store_true", help="explain in the float32 lens (control and candidate in "
+                    "float32 on their own code paths): for a check only the lens fails")
     cal = sub.add_parser("calibrate", help="measure the distances behind the tolerances")
     common(cal)
     cal.add_argument("--benign", nargs="+", action="extend", metavar="K=V",

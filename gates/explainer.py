@@ -117,6 +117,7 @@ class Explanation:
     rows: list[TapRow]
     wall_s: float
     run_s: dict  # label -> seconds (trace + compile + step 1)
+    precision: str = "production"  # "lens": the float32 lens's control and candidate against the reference
 
     @property
     def first(self) -> TapRow | None:
@@ -140,13 +141,14 @@ class Explanation:
                         disable_numparse=True)
 
     def text(self) -> str:
-        return "\n".join([f"explain {self.check!r} (config {self.config!r}, contract {self.contract}, step 1; "
+        lens = ", in the float32 lens" if self.precision == "lens" else ""
+        return "\n".join([f"explain {self.check!r} (config {self.config!r}, contract {self.contract}, step 1{lens}; "
                           f"bounds: vs control max({self.bounds.floor:g}, d), vs reference max({self.bounds.floor:g}, "
                           f"(1 + {self.bounds.slack:g}) d), d = control vs reference at the tap):",
                           self.line(), "", self.table()])
 
     def to_json(self) -> dict:
-        return {"check": self.check, "config": self.config, "contract": self.contract,
+        return {"check": self.check, "config": self.config, "contract": self.contract, "precision": self.precision,
                 "candidate_flags": self.candidate_flags, "slack": self.bounds.slack, "floor": self.bounds.floor,
                 "first": None if self.first is None else dataclasses.asdict(self.first), "line": self.line(),
                 "wall_s": self.wall_s, "run_s": self.run_s, "taps": [dataclasses.asdict(r) for r in self.rows]}
@@ -274,8 +276,12 @@ _SHARED: dict = {}  # (config, control flags, precision) -> TapRun, for the cont
 
 
 def explain_spec(runner, spec, *, candidate_context=None, candidate_loss_fn=protocol.grpo_loss,
-                 bounds: Bounds | None = None) -> Explanation:
-    """Explain ``spec`` (a ``gates.contracts.CheckSpec``) on ``runner``'s config."""
+                 bounds: Bounds | None = None, precision: str = "production") -> Explanation:
+    """Explain ``spec`` (a ``gates.contracts.CheckSpec``) on ``runner``'s config. ``precision="lens"``: the control and
+    the candidate in the float32 lens (their own code paths in float32; the bf16 control's routing replayed), against
+    the same float32 reference: for a check that only the lens fails, an error below bf16's noise."""
+    if precision not in ("production", "lens"):
+        raise BadInput(f"explain: precision={precision!r} must be 'production' or 'lens'")
     t = time.perf_counter()
     bounds = bounds or Bounds.for_run(getattr(runner.tolerances, "path", None))
     control_flags, candidate_flags = runner.resolve(spec)
@@ -284,23 +290,29 @@ def explain_spec(runner, spec, *, candidate_context=None, candidate_loss_fn=prot
     if (key, "production") not in _SHARED:
         progress(f"explain[{spec.name}]: control, step 1 with taps")
         _SHARED[key, "production"] = run_taps(runner, control_flags, "production")
-    ctl = _SHARED[key, "production"]
+    routing = _SHARED[key, "production"].routing  # every other run replays the bf16 control's expert choices
     if (key, "reference") not in _SHARED:
         progress(f"explain[{spec.name}]: float32 reference, step 1 with taps (control's routing)")
-        _SHARED[key, "reference"] = run_taps(runner, control_flags, "reference", replay=ctl.routing)
+        _SHARED[key, "reference"] = run_taps(runner, control_flags, "reference", replay=routing)
     ref = _SHARED[key, "reference"]
-    progress(f"explain[{spec.name}]: candidate, step 1 with taps (control's routing)")
+    if (key, precision) not in _SHARED:
+        progress(f"explain[{spec.name}]: control in the float32 lens, step 1 with taps (control's routing)")
+        _SHARED[key, precision] = run_taps(runner, control_flags, precision, replay=routing)
+    ctl = _SHARED[key, precision]
+    progress(f"explain[{spec.name}]: candidate{' in the float32 lens' if precision == 'lens' else ''}, step 1 with "
+             "taps (control's routing)")
     with candidate_context if candidate_context is not None else contextlib.nullcontext():
-        cand = run_taps(runner, candidate_flags, "production", replay=ctl.routing, loss_fn=candidate_loss_fn)
+        cand = run_taps(runner, candidate_flags, precision, replay=routing, loss_fn=candidate_loss_fn)
     rows = compare(cand, ctl, ref, spec.contract, bounds)
     return Explanation(check=spec.name, config=runner.config_name, contract=spec.contract,
                        candidate_flags=dict(spec.candidate_overrides), bounds=bounds, rows=rows,
                        wall_s=round(time.perf_counter() - t, 2),
-                       run_s={"control": ctl.seconds, "reference": ref.seconds, "candidate": cand.seconds})
+                       run_s={"control": ctl.seconds, "reference": ref.seconds, "candidate": cand.seconds},
+                       precision=precision)
 
 
 def explain(config: str = "tiny", flags=None, candidate_context=None, *, candidate_loss_fn: Callable | None = None,
-            api=None, progress=None) -> Explanation:
+            api=None, progress=None, precision: str = "production") -> Explanation:
     """Explain the check of ``flags`` on ``config`` (see the module docstring); ``gates.explain``."""
     from nxgates.gates.runner import Runner, stderr
 
@@ -314,7 +326,7 @@ def explain(config: str = "tiny", flags=None, candidate_context=None, *, candida
     else:
         raise BadInput("explain: flags={} names no flag and no candidate_context is given: nothing to explain")
     return explain_spec(runner, spec, candidate_context=candidate_context,
-                        candidate_loss_fn=candidate_loss_fn or protocol.grpo_loss)
+                        candidate_loss_fn=candidate_loss_fn or protocol.grpo_loss, precision=precision)
 
 
 # --------------------------------------------------------------------------------------------------------- mutants
@@ -340,8 +352,10 @@ def explain_mutants(config: str = "tiny", only=None, *, api=None, progress=None)
         _, candidate_flags = runner.resolve(spec)
         pairs = m.overrides(runner.cfg, candidate_flags)
         injected = ", ".join(op for op, _ in pairs) or ("loss" if m.loss_fn is not None else "-")
+        # a mutant the bf16 gates cannot see (no bf16 must-gate) is explained in the float32 lens
         ex = explain_spec(runner, spec, candidate_context=mutants._overriding(runner.api, pairs),
-                          candidate_loss_fn=m.loss_fn or protocol.grpo_loss)
+                          candidate_loss_fn=m.loss_fn or protocol.grpo_loss,
+                          precision="lens" if not m.must and m.lens_must else "production")
         out.append((m, injected, ex))
     return out
 
@@ -352,10 +366,12 @@ def mutants_table(results) -> str:
     rows = []
     for m, injected, ex in results:
         f = ex.first
-        rows.append([m.name, injected, "-" if f is None else f.where, "-" if f is None else f.op,
+        rows.append([m.name, injected, "float32 lens" if ex.precision == "lens" else "bf16",
+                     "-" if f is None else f.where, "-" if f is None else f.op,
                      "-" if f is None else f.direction + ("" if f.part == "out" else f" {f.part}"),
                      "yes" if f is not None and f.op == injected else "no", f"{ex.wall_s:.0f}s"])
-    return tabulate(rows, headers=["mutant", "injected into", "named layer", "named op", "tap", "same op", "wall"],
+    return tabulate(rows, headers=["mutant", "injected into", "runs", "named layer", "named op", "tap", "same op",
+                                   "wall"],
                     tablefmt="github", disable_numparse=True)
 
 
@@ -372,7 +388,7 @@ def main(args, api, flags: dict | None) -> int:
         return 0
     if not flags:
         raise BadInput("explain: give --flags k=v ... (or --mutant NAME / --mutants)")
-    ex = explain(args.config, flags, api=api)
+    ex = explain(args.config, flags, api=api, precision="lens" if getattr(args, "lens", False) else "production")
     print(ex.text())
     paths = _write(ex, out, "explain")
     print(f"wrote {', '.join(str(p) for p in paths)}")
@@ -390,11 +406,13 @@ def _write(ex: Explanation, out, stem: str) -> list:
     return paths
 
 
-def explain_failed(runner, spec) -> Explanation | str:
+def explain_failed(runner, spec, check=None) -> Explanation | str:
     """The explanation of a failing check for the report (``gates.suite.check``); a str saying why there is none when
-    the model cannot be explained or the explain run fails (the gates' verdict stands either way)."""
+    the model cannot be explained or the explain run fails (the gates' verdict stands either way). A check that only
+    the float32 lens fails (``check``: its ``gates.runner.CheckResult``) is explained in the lens."""
+    lens_only = check is not None and check.bf16_passed and check.lens_passed is False
     try:
-        return explain_spec(runner, spec)
+        return explain_spec(runner, spec, precision="lens" if lens_only else "production")
     except BadInput as e:
         return f"no explanation: {e}"
     except Exception as e:  # noqa: BLE001 (an explanation is an aid: its failure must not lose the gates' report)

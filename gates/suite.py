@@ -176,7 +176,7 @@ def check(
             if explain and not checks[-1].passed:
                 from nxgates.gates.explainer import explain_failed
 
-                checks[-1].explanation = explain_failed(runner, spec)
+                checks[-1].explanation = explain_failed(runner, spec, checks[-1])
             if on_check is not None and len(checks) < len(specs):
                 on_check(report("incomplete"))
         if profile is not None:

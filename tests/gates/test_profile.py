@@ -239,8 +239,8 @@ def test_the_sources_key_ignores_docstrings_comments_and_layout_not_code(tmp_pat
         return provenance.code_bytes(tmp_path / name)
 
     base = digest("a.py", '"""Module."""\n\n\ndef f(x):\n    """One."""\n    return x + 1\n')
-    assert digest("b.py", '"""Other."""\n# note\n\ndef f(x):  # why\n    """Two."""\n    return (x +\n            1)\n') \
-        == base
+    other = '"""Other."""\n# note\n\ndef f(x):  # why\n    """Two."""\n    return (x +\n            1)\n'
+    assert digest("b.py", other) == base
     assert digest("c.py", '"""Module."""\n\n\ndef f(x):\n    """One."""\n    return x + 2\n') != base
     assert digest("d.py", "def f(x):\n    return 'a string that is not a docstring', x + 1\n") != base
     cfg = digest("a.toml", "# comment\n[model]\nhidden = 64\nlayers = 2\n")
