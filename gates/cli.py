@@ -138,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     mu = sub.add_parser("mutants", help="deliberately wrong variants must fail exactly their predicted gates")
     common(mu)
     mu.add_argument("--only", nargs="+", action="extend", metavar="NAME", help="run only these mutants")
+    mu.add_argument("--jobs", default="2", help="worker processes, one mutant each at a time (default "
+                    "2; 1: everything in this process)")
     rs = sub.add_parser("resolution", help="the smallest injected error each lens fails, per rounding flag and gate")
     common(rs)
     rs.add_argument("--flags", nargs="+", action="extend", metavar="K=V",
@@ -298,6 +300,7 @@ def _main(argv: list[str], api, api_factory: str | None = None) -> int:
         if args.command == "mutants":
             from nxgates.gates import mutants
 
+            args.jobs = parse_jobs(args.jobs)
             return mutants.main(args, api)
         if args.command == "false-alarms":
             from nxgates.gates import false_alarms

@@ -512,8 +512,82 @@ def to_json(results: list[MutantResult]) -> list[dict]:
              "lens_problems": r.check.lens_problems} for r in results]
 
 
+def _from_json(d: dict, by_name: dict) -> MutantResult:
+    """A worker's ``to_json`` row as a ``MutantResult`` (its check: the gate rows the table and report read)."""
+    import types
+
+    def rows(items):
+        return [gates_lib.GateResult(**{k: v for k, v in g.items() if k != "passed"}) for g in items]
+
+    lens = None if d["lens_failed"] is None else rows(d["lens_gates"])
+    check = types.SimpleNamespace(results=rows(d["gates"]), lens_results=lens, problems=d["problems"],
+                                  lens_problems=d["lens_problems"])
+    return MutantResult(by_name[d["name"]], d["contract"], frozenset(d["failed"]), check,
+                        None if d["lens_failed"] is None else frozenset(d["lens_failed"]))
+
+
+def _mutant_in_worker(config: str, name: str, cache_dir: str | None, xla_dir: str | None, lens: bool | None) -> dict:
+    """Worker process (``run_mutants_in_workers``): one mutant through its check; its ``to_json`` row."""
+    from nxgates.gates.profile import use_compilation_cache_dir
+
+    if xla_dir is not None:
+        use_compilation_cache_dir(xla_dir)
+    progress = lambda m: print(f"  [{name}] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    return to_json(run_mutants(config, only=[name], cache_dir=cache_dir, progress=progress, lens=lens))[0]
+
+
+def run_mutants_in_workers(config: str, jobs: int, *, only=None, cache_dir=None, progress=None,
+                           lens: bool | None = None) -> list[MutantResult]:
+    """``run_mutants`` with the mutants spread over ``jobs`` worker processes (the built-in model; each mutant is one
+    task, so the two cores of a 2-core machine each compile and run one). The control, the float32 reference and the
+    lens's control are computed first, here, into the record cache, so no worker computes them again. The workers
+    die with this process (``gates.prefetch``)."""
+    import concurrent.futures
+
+    from nxgates.gates import prefetch
+    from nxgates.gates import record as record_lib
+    from nxgates.gates import runner as runner_lib
+    from nxgates.gates.errors import BadInput
+    from nxgates.gates.profile import active_compilation_cache_dir
+
+    progress = progress or (lambda m: print(m, file=sys.stderr, flush=True))
+    by_name = {m.name: m for m in MUTANTS}
+    for n in only or ():
+        if n not in by_name:
+            raise BadInput(f"--only {n}: unknown mutant; mutants are {list(by_name)}")
+    names = [m.name for m in MUTANTS if not only or m.name in only]
+    r = runner_lib.Runner(config, cache=record_lib.RecordCache(cache_dir, log=progress), progress=progress, lens=lens)
+    control, _ = r.shared_record(r.base_flags, "production", "control")
+    replay = runner_lib.control_routing(control)
+    r.shared_record(r.base_flags, "reference", "reference", replay)
+    if r.lens and any(by_name[n].lens_must is not None for n in names):
+        r.shared_record(r.base_flags, "lens", "control-lens", replay)
+    progress(f"mutants: {len(names)} in {jobs} worker processes")
+    pool = prefetch.worker_pool(jobs)
+    try:
+        futures = {n: pool.submit(_mutant_in_worker, config, n, cache_dir, active_compilation_cache_dir(), r.lens)
+                   for n in names}
+        rows = {}
+        for fut in concurrent.futures.as_completed(futures.values()):
+            d = fut.result()
+            rows[d["name"]] = d
+            res = _from_json(d, by_name)
+            progress(f"mutant {d['name']}: failed {sorted(res.failed)}; float32 lens failed "
+                     f"{'n/a' if res.lens_failed is None else sorted(res.lens_failed)}: "
+                     f"{'OK' if res.ok else 'MISMATCH'} ({time.perf_counter() - r.t0:.0f}s)")
+    except BaseException:
+        prefetch.stop_pool(pool)
+        raise
+    pool.shutdown(wait=True)
+    return [_from_json(rows[n], by_name) for n in names]
+
+
 def main(args, api) -> int:
-    results = run_mutants(args.config, api=api, only=args.only, cache_dir=args.cache_dir)
+    jobs = getattr(args, "jobs", 1) or 1
+    if jobs > 1 and api.override is not None and getattr(api.override, "__module__", "") == "nxgates.model.ops":
+        results = run_mutants_in_workers(args.config, jobs, only=args.only, cache_dir=args.cache_dir)
+    else:  # one process (a custom model API cannot be rebuilt in a worker)
+        results = run_mutants(args.config, api=api, only=args.only, cache_dir=args.cache_dir)
     atomic.write_json_atomic(f"{args.out}/mutants.json", to_json(results))
     if args.json:
         print(json.dumps(to_json(results), indent=2, default=str))

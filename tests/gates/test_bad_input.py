@@ -164,6 +164,8 @@ COMMANDS_CORPUS = [
     ("resolution-out-under-a-file", ["resolution", "--config", "smoke", "--out", F + "/a_file/r"],
      ["--out=", "cannot be written"]),
     ("false-alarms-kind", ["false-alarms", "--only", "tile"], ["argument --only: invalid choice: 'tile'"]),
+    ("mutants-jobs-zero", ["mutants", "--config", "smoke", "--out", F + "/mu", "--jobs", "0"],
+     ["--jobs='0' must be an integer from 1 to"]),
     ("false-alarms-seeds", ["false-alarms", "--config", "smoke", "--out", F + "/fa", "--cache-dir", F + "/c",
                             "--seeds", "0"], ["--seeds 0: must be an integer >= 1"]),
 ]

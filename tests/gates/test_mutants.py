@@ -104,3 +104,23 @@ def test_override_reaches_the_candidate_only(tmp_path):
     assert impl["control"]["activation"] == "silu" and impl["reference"]["activation"] == "silu"
     assert res.check.records["control"] == "computed" and res.ok
     assert toy_model._OVERRIDES == {}  # nothing left active for whatever runs next
+
+
+def test_a_workers_rows_give_the_same_verdicts_and_table(tmp_path):
+    """``mutants --jobs N``: each worker returns its mutant's ``to_json`` row; rebuilt in the parent, the verdicts,
+    the clearances and the table are the ones the worker's own results give."""
+    results = M.run_mutants("toy", api=toy_model.api(), mutants=TOY_MUTANTS, cache_dir=str(tmp_path),
+                            progress=lambda m: None, lens=False)
+    by_name = {m.name: m for m in TOY_MUTANTS}
+    rebuilt = [M._from_json(d, by_name) for d in M.to_json(results)]
+    assert [r.ok for r in rebuilt] == [r.ok for r in results] and not all(r.ok for r in rebuilt)
+    assert [r.failed for r in rebuilt] == [r.failed for r in results]
+    assert M.table(rebuilt) == M.table(results)
+
+
+@pytest.mark.slow
+def test_mutants_in_worker_processes_on_smoke(tmp_path):
+    """Two real mutants in two worker processes (smoke; a few minutes on 2 cores: --runslow)."""
+    res = M.run_mutants_in_workers("smoke", 2, only=["swiglu_without_silu", "fp8_amax_per_shard"],
+                                   cache_dir=str(tmp_path), progress=lambda m: None)
+    assert [r.mutant.name for r in res] == ["swiglu_without_silu", "fp8_amax_per_shard"] and all(r.ok for r in res)
