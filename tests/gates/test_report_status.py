@@ -199,3 +199,19 @@ def test_prefetch_workers_compute_the_float32_lens_records(tmp_path, capsys):
     for name in ("reference", "candidate", "control-lens", "candidate-lens"):
         assert "by a prefetch worker of this run" in records[name], (name, records)
     assert "prefetch: control-lens computed" in err and "prefetch: candidate-lens[" in err
+
+
+def test_a_checks_candidate_is_not_kept_in_memory_after_its_gates(tmp_path):
+    """The runner keeps the shared control and reference for every check, not each candidate (peak memory)."""
+    from nxgates.gates import contracts
+    from nxgates.gates import record as record_lib
+
+    r = runner.Runner("toy", api=toy_model.api(), cache=record_lib.RecordCache(str(tmp_path)), progress=None,
+                      lens=False)
+    spec = contracts.build_check("f", {"moe_wi_gmm_fused_swiglu": True}, r.api.as_dict(r.base_flags), r.closure)
+    res = r.run_check(spec)
+    labels = {label for _, _, label in r._records.values()}
+    assert labels == {"control[f]", "reference[f]"}, labels
+    again = r.run_check(spec)  # read back from the disk cache: the same verdicts
+    assert [g.as_dict() for g in again.results] == [g.as_dict() for g in res.results]
+    assert again.records["candidate"] == "cached"
