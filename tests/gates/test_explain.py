@@ -222,6 +222,7 @@ def test_a_check_only_the_lens_fails_is_explained_in_the_lens(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_sub_bf16_mutants_are_named_in_the_lens():
     """smoke: each mutant the bf16 gates cannot see is explained in the float32 lens, at the op it was injected into
     (about 2 minutes per mutant on 2 cores: --runslow)."""

@@ -119,6 +119,7 @@ def test_a_workers_rows_give_the_same_verdicts_and_table(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_mutants_in_worker_processes_on_smoke(tmp_path):
     """Two real mutants in two worker processes (smoke; a few minutes on 2 cores: --runslow)."""
     res = M.run_mutants_in_workers("smoke", 2, only=["swiglu_without_silu", "fp8_amax_per_shard"],
