@@ -584,7 +584,9 @@ def run_mutants_in_workers(config: str, jobs: int, *, only=None, cache_dir=None,
 
 def main(args, api) -> int:
     jobs = getattr(args, "jobs", 1) or 1
-    if jobs > 1 and api.override is not None and getattr(api.override, "__module__", "") == "nxgates.model.ops":
+    from nxgates.model import ops
+
+    if jobs > 1 and api.override is ops.override:  # the built-in model, which a worker process can build again
         results = run_mutants_in_workers(args.config, jobs, only=args.only, cache_dir=args.cache_dir)
     else:  # one process (a custom model API cannot be rebuilt in a worker)
         results = run_mutants(args.config, api=api, only=args.only, cache_dir=args.cache_dir)

@@ -6,8 +6,9 @@ check of the config (or of ``--flags``), the candidate runs with its flag on and
 with ``s`` a fixed pattern of random signs (``jax.random.rademacher``, seeded from the flag's name), so its relative L2
 change is exactly ``eps`` before it is rounded to the array's dtype. A forward site changes the op's output value only
 (its gradient is the op's own); a backward site changes the cotangents the op returns. ``eps`` sweeps a log grid
-(``EPS_GRID``, one point per decade); each lens (the bf16 gates, the float32 lens) stops one decade past the first
-``eps`` at which it fails a gate. The answer per flag and gate is the smallest ``eps`` that fails it, in each lens.
+(``EPS_GRID``, one point per decade); the float32 lens stops one decade past the first ``eps`` at which it fails a
+gate, the sweep one decade past the first failure of the bf16 gates (the bf16 candidate runs at every point). The
+answer per flag and gate is the smallest ``eps`` that fails it, in each lens.
 
 Why it matters: a bf16 gate resolves only errors comparable to bf16's own (the candidate may lie ``1 + slack`` times the
 control's distance from the reference), so a logic error up to ~0.3 of bf16's error passes it; the float32 lens removes
@@ -199,24 +200,18 @@ def run_resolution(config: str = "tiny", *, flags: dict | None = None, eps_grid=
         res = FlagResolution(key, spec.name, site.describe(), [], own.passed)
         stop = {False: None, True: None}  # lens -> the last eps to run (set at its first failure)
         for i, eps in enumerate(grid):
-            run_lens = {lens: stop[lens] is None or eps <= stop[lens] for lens in (False, True)}
-            if not any(run_lens.values()):
+            run_lens = stop[True] is None or eps <= stop[True]
+            if stop[False] is not None and eps > stop[False] and not run_lens:
                 break
+            # the bf16 candidate runs at every point the sweep makes (the lens fails first in practice); the float32
+            # lens only until one decade past its first failure
             wrap = wrapper(key, site, eps)
-            r.lens = run_lens[True]
-            try:
-                if run_lens[False]:
-                    check = r.run_check(spec, candidate_context=lambda w=wrap, op=site.op: r.api.wrap(op, w))
-                    bf16, lens_results = check.results, check.lens_results
-                    _injected(check.implementations["candidate"], site, spec)
-                else:  # the bf16 gates are done: the float32 lens alone
-                    lens_results = _lens_only(r, spec, site, wrap)
-                    bf16 = None
-            finally:
-                r.lens = True
-            p = Point(eps, None if bf16 is None else sorted({g.gate for g in bf16 if not g.passed}),
-                      None if lens_results is None else sorted({g.gate for g in lens_results if not g.passed}),
-                      _clearances(bf16), _clearances(lens_results))
+            check = r.run_check(spec, candidate_context=lambda w=wrap, op=site.op: r.api.wrap(op, w), lens=run_lens)
+            _injected(check.implementations["candidate"], site, spec)
+            p = Point(eps, sorted({g.gate for g in check.results if not g.passed}),
+                      None if check.lens_results is None else sorted({g.gate for g in check.lens_results
+                                                                        if not g.passed}),
+                      _clearances(check.results), _clearances(check.lens_results))
             res.points.append(p)
             for lens, failed in ((False, p.bf16_failed), (True, p.lens_failed)):
                 if failed and stop[lens] is None:
@@ -232,25 +227,6 @@ def _injected(implementations: dict, site: Site, spec) -> None:
     if not str(implementations.get(site.op, "")).startswith("wrap:"):
         raise RuntimeError(f"resolution {spec.name}: the error at {site.describe()} never reached the candidate's "
                            f"trace (it dispatched {implementations.get(site.op)!r})")
-
-
-def _lens_only(r, spec, site, wrap):
-    """The float32 lens's gate results of ``spec`` with ``wrap`` injected (the bf16 candidate not run)."""
-    from nxgates.gates import protocol
-    from nxgates.gates import runner as runner_lib
-
-    control_flags, candidate_flags = r.resolve(spec)
-    control, _ = r.shared_record(control_flags, "production", f"control[{spec.name}]")
-    replay = runner_lib.control_routing(control)
-    reference, _ = r.shared_record(control_flags, "reference", f"reference[{spec.name}]", replay)
-    lens_control, _ = r.shared_record(control_flags, "lens", f"control-lens[{spec.name}]", replay)
-    cand, _ = r._candidate(candidate_flags, "lens", f"candidate-lens[{spec.name}]", protocol.grpo_loss,
-                           lambda: r.api.wrap(site.op, wrap), replay)
-    _injected(cand.metadata.get("implementations", {}), site, spec)
-    results, problems = gates_lib.evaluate(cand, lens_control, reference, spec.contract, r.lens_tolerances)
-    if problems:
-        raise RuntimeError(f"resolution {spec.name}: lens preconditions failed: {problems}")
-    return results
 
 
 def _fmt(e: float | None, ran: float | None) -> str:

@@ -356,10 +356,11 @@ class Runner:
 
     # ---------------------------------------------------------------------------------------------------- checks
     def run_check(self, spec: contracts_lib.CheckSpec, *, candidate_loss_fn=protocol.grpo_loss,
-                  candidate_context=None) -> CheckResult:
+                  candidate_context=None, lens: bool | None = None) -> CheckResult:
         """Control, reference, candidate, gates (and the float32 lens for a rounding check). ``candidate_context``: a
         context manager active while the candidate is traced (the mutants inject through ``model.ops.override`` this
-        way), or a zero-argument factory of one (called for each candidate trace: needed when the lens runs too)."""
+        way), or a zero-argument factory of one (called for each candidate trace: needed when the lens runs too).
+        ``lens``: run the float32 lens for this check (None: the runner's ``lens``)."""
         t = time.perf_counter()
         control_flags, candidate_flags = self.resolve(spec)
         control, how_c = self.shared_record(control_flags, "production", f"control[{spec.name}]")
@@ -371,7 +372,7 @@ class Runner:
                                               candidate_context, replay)
         results, problems = gates_lib.evaluate(candidate, control, reference, spec.contract, self.tolerances)
         lens_results, lens_problems = None, []
-        if self.lens and spec.contract == "rounding":
+        if (self.lens if lens is None else lens) and spec.contract == "rounding":
             lens_control, how_lc = self.shared_record(control_flags, "lens", f"control-lens[{spec.name}]", replay)
             lens_candidate, how_lk = self._candidate(candidate_flags, "lens", f"candidate-lens[{spec.name}]",
                                                      candidate_loss_fn, candidate_context, replay)
