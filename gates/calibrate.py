@@ -195,22 +195,27 @@ def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *,
     cands = [r.shared_record(f, precision, f"benign {b}", replay)[0] for b, f in zip(benigns, benign_flags,
                                                                                       strict=True)]
     rows = []
+    # N5 reads the tensors the table being calibrated lets it read ([gates.N5] / [lens.N5] min_size)
+    min_size = (r.lens_tolerances if lens else r.tolerances).min_size
     for i in range(control.num_steps):
         for g in gates_lib.GATES:
-            per = [(gates_lib.metric(g, c, control, i).value, gates_lib.metric(g, c, reference, i).value)
-                   for c in cands]
+            def m(a, b, g=g, i=i):
+                return gates_lib.metric(g, a, b, i, min_size=min_size.get(g, 1)).value
+
+            per = [(m(c, control), m(c, reference)) for c in cands]
             worst = max(range(len(per)), key=lambda j: per[j][1])  # the draw farthest from the reference
             rows.append({
                 "gate": g, "step": i + 1,
-                "control_vs_reference": gates_lib.metric(g, control, reference, i).value,
+                "control_vs_reference": m(control, reference),
                 "benign_vs_control": max(p[0] for p in per),  # the largest over the draws (not the worst draw's)
                 "benign_vs_reference": per[worst][1],
                 "benign_worst": ",".join(f"{k}={v}" for k, v in benigns[worst].items()),
-                "control_again_vs_control": gates_lib.metric(g, again, control, i).value if again else None,
+                "control_again_vs_control": m(again, control) if again else None,
                 "control_reproducible_bits": gates_lib.bit_identical(g, again, control, i) if again else None,
             })
     proposed = derive_lens_tolerances(rows) if lens else derive_tolerances(rows)
     return {"config": config, "lens": lens, "benign": benigns, "env": r.env, "rows": rows, "proposed": proposed,
+            "min_size": dict(min_size),
             "slack_rule": f"slack = max({SLACK_FLOOR}, {SLACK_FACTOR} * (max over the steps where m(benign, ref) > rel "
                           f"of m(benign, ref) / m(control, ref) - 1)) rounded up to {SLACK_STEP}",
             "preconditions": gates_lib.preconditions(

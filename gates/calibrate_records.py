@@ -43,9 +43,10 @@ def _lib():
     return calibrate, compare, records
 
 
-def measure(control, reference, benign: list) -> dict:
+def measure(control, reference, benign: list, *, n5_min_size: int = 1) -> dict:
     """Per gate and step the distances the rule reads: {"rows": [...], "not_measured": {gate: reason}}. Raises
-    ``CompareInputError`` for records that do not line up or hold non-finite values. Arguments: ``records.Run``."""
+    ``CompareInputError`` for records that do not line up or hold non-finite values. Arguments: ``records.Run``;
+    ``n5_min_size``: N5 reads the tensors of at least that many elements (written to the table as ``min_size``)."""
     _, compare_lib, _ = _lib()
     CompareInputError, NotAvailable = compare_lib.CompareInputError, compare_lib.NotAvailable
     runs = {"control": control, "reference": reference} | {f"benign {i + 1}": b for i, b in enumerate(benign)}
@@ -62,9 +63,11 @@ def measure(control, reference, benign: list) -> dict:
         gate_rows = []
         try:
             for n in steps:
-                cr, src = compare_lib.metric(gate, control, reference, n, ("control", "reference"))
-                per = [(compare_lib.metric(gate, b, control, n, (f"benign {i + 1}", "control"))[0].value,
-                        compare_lib.metric(gate, b, reference, n, (f"benign {i + 1}", "reference"))[0].value)
+                ms = n5_min_size if gate == "N5" else 1
+                cr, src = compare_lib.metric(gate, control, reference, n, ("control", "reference"), min_size=ms)
+                per = [(compare_lib.metric(gate, b, control, n, (f"benign {i + 1}", "control"), min_size=ms)[0].value,
+                        compare_lib.metric(gate, b, reference, n, (f"benign {i + 1}", "reference"),
+                                           min_size=ms)[0].value)
                        for i, b in enumerate(benign)]
                 worst = max(range(len(per)), key=lambda j: per[j][1]) if per else None  # farthest from the reference
                 gate_rows.append({
@@ -85,13 +88,19 @@ def measure(control, reference, benign: list) -> dict:
     return {"rows": rows, "not_measured": not_measured}
 
 
-def calibrate_records(control_path, reference_path, benign_paths=(), *, command: str | None = None) -> dict:
-    """Load the records, measure, derive: {"proposed": {gate: ...}, "rows", "not_measured", "toml", ...}."""
+def calibrate_records(control_path, reference_path, benign_paths=(), *, command: str | None = None,
+                      n5_min_size: int | None = None) -> dict:
+    """Load the records, measure, derive: {"proposed": {gate: ...}, "rows", "not_measured", "toml", ...}.
+    ``n5_min_size``: N5's smallest tensor (None: the repository table's ``[gates.N5] min_size``)."""
     calibrate_lib, _, records_lib = _lib()
     control = records_lib.load_run(control_path)
     reference = records_lib.load_run(reference_path)
     benign = [records_lib.load_run(p) for p in benign_paths]
-    m = measure(control, reference, benign)
+    if n5_min_size is None:
+        n5_min_size = tolerance_table.load_tolerances().min_size.get("N5", 1)
+    if not isinstance(n5_min_size, int) or isinstance(n5_min_size, bool) or n5_min_size < 1:
+        raise ValueError(f"--n5-min-size {n5_min_size!r}: must be an integer >= 1 (elements)")
+    m = measure(control, reference, benign, n5_min_size=n5_min_size)
     proposed = calibrate_lib.derive_tolerances(m["rows"])
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     command = command or "nxgates calibrate-records " + " ".join(
@@ -100,6 +109,7 @@ def calibrate_records(control_path, reference_path, benign_paths=(), *, command:
              f"{len(benign)} benign run(s))"
     res = {"control": control.path, "reference": reference.path, "benign": [b.path for b in benign],
            "rows": m["rows"], "not_measured": m["not_measured"], "proposed": proposed, "source": source,
+           "n5_min_size": n5_min_size,
            "slack_rule": f"slack = max({calibrate_lib.SLACK_FLOOR}, {calibrate_lib.SLACK_FACTOR} * (max over the steps "
                          f"where m(benign, ref) > rel of m(benign, ref) / m(control, ref) - 1)) rounded up to "
                          f"{calibrate_lib.SLACK_STEP}"}
@@ -160,7 +170,11 @@ def to_toml(res: dict) -> str:
             rel, slack = "0.0", repr(SLACK_FLOOR)
             reason = (f"{GATE_NAMES[gate]}: not measured ({res['not_measured'][gate]}); rel 0, the strictest bound "
                       "(compare reports the gate n/a on records without this data)")
-        lines += [f"[gates.{gate}]", f"rel = {rel}", f"slack = {slack}", f"reason = {json.dumps(reason)}",
+        extra = [f"min_size = {res['n5_min_size']}"] if gate == "N5" and res.get("n5_min_size", 1) > 1 else []
+        if extra:
+            reason += (f"; N5 reads the tensors of at least {res['n5_min_size']} elements; smaller ones stay in N3, N4 "
+                       "and N6")
+        lines += [f"[gates.{gate}]", f"rel = {rel}", f"slack = {slack}", *extra, f"reason = {json.dumps(reason)}",
                   f"source = {src}", ""]
     lines += ["[gates.golden]", "rel = 0.0",
               'reason = "not measured from records (a second control run would show whether the control is '
@@ -177,6 +191,9 @@ def add_arguments(sp) -> None:
     sp.add_argument("benign", nargs="*", help="benign runs (changes that must pass, e.g. another k tile)")
     sp.add_argument("--out", default="tolerances.toml", help="tolerance file to write (default tolerances.toml)")
     sp.add_argument("--json", action="store_true", help="print the measurements and the proposal as JSON")
+    sp.add_argument("--n5-min-size", type=int, default=None, metavar="N",
+                    help="N5 reads the tensors of at least N elements (default: [gates.N5] min_size of the "
+                         "repository's table); written to the file")
 
 
 def main(args) -> int:
@@ -184,7 +201,8 @@ def main(args) -> int:
     out = pathlib.Path(args.out)
     if out.is_dir():
         raise ValueError(f"--out={args.out!r} is a directory; give the tolerance file's path")
-    res = calibrate_records(args.control, args.reference, args.benign)
+    res = calibrate_records(args.control, args.reference, args.benign,
+                            n5_min_size=getattr(args, "n5_min_size", None))
     atomic.write_text_atomic(out, res["toml"])
     tolerance_table.load_tolerances(out)  # what compare --tolerances will read
     if args.json:

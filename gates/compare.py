@@ -9,6 +9,8 @@ Each gate's metric is the one of ``gates.gates`` (the same formulas: ``rel_scala
 | N3 | ``grad/*`` (float64 norm) | ``grad_sq/*`` (per-tensor float32 squares, summed in float64), else ``grad_norm`` |
 | N4 | ``grad/*`` | ``grad_sketch/*``: ``sum_t ||S(a_t) - S(b_t)||^2`` over ``sum_t grad_sq`` (or ``||S(b_t)||^2``) |
 | N5 | ``grad/*`` | the same per tensor; tensors below the sketch width are stored exactly, so exact |
+
+N5 reads the tensors of at least the table's ``[gates.N5] min_size`` elements (sizes from the record's tensor list).
 | N6 | ``param/*`` with step 0 | ``update_sketch/*`` summed over steps 1..t, else ``param_sketch`` at t minus step 0 |
 
 Verdicts per gate and step, with ``tol``/``slack`` from the tolerance table:
@@ -148,9 +150,20 @@ def _grad_norm2(step: records_lib.Step) -> tuple[float, str] | None:
     return None
 
 
-def metric(gate: str, a: Run, b: Run, step: int, who: tuple[str, str] = ("a", "b")) -> tuple[Metric, str]:
+def tensor_sizes(run: Run, step) -> dict[str, int]:
+    """{tensor: elements}: from the record's tensor list (meta.json ``tensors``, each with its global shape), else
+    from the full gradient arrays of ``step``; a tensor known neither way is left out (N5 then keeps it)."""
+    sizes = {n: int(np.prod(t["shape"])) for n, t in run.tensors.items()
+             if isinstance(t, Mapping) and isinstance(t.get("shape"), list)}
+    for n, g in step.group("grad").items():
+        sizes.setdefault(n, int(np.size(g)))
+    return sizes
+
+
+def metric(gate: str, a: Run, b: Run, step: int, who: tuple[str, str] = ("a", "b"), *,
+           min_size: int = 1) -> tuple[Metric, str]:
     """(m_gate(a, b) at ``step`` (1-based), the data it came from: "exact", "sketch", ...); ``NotAvailable`` with the
-    reason when the records lack what the gate reads."""
+    reason when the records lack what the gate reads. ``min_size``: N5's smallest tensor (``Tolerances.min_size``)."""
     sa, sb = a.steps[step], b.steps[step]
     if gate == "N1":
         return Metric(gates_lib.rel_scalar(_f64(_need(sa, "loss", who[0])), _f64(_need(sb, "loss", who[1])))), "exact"
@@ -168,7 +181,7 @@ def metric(gate: str, a: Run, b: Run, step: int, who: tuple[str, str] = ("a", "b
     if gate in ("N4", "N5"):
         per, src = _grad_pairs(sa, sb, who)
         if gate == "N5":
-            return gates_lib.worst_tensor(per), src
+            return gates_lib.worst_tensor(per, tensor_sizes(b, sb), min_size), src
         return Metric(gates_lib.rel_from_squares(sum(v[0] for v in per.values()),
                                                  sum(v[1] for v in per.values()))), src
     if gate == "N6":
@@ -406,13 +419,16 @@ def compare(control: Run, candidate: Run, reference: Run | None = None, *, contr
     if reference is not None:
         runs["reference"] = reference
     check_comparable(runs)
+    table = tolerances or tolerance_table.load_tolerances()
     if slack is None:
-        slack = dict((tolerances or tolerance_table.load_tolerances()).slack)
+        slack = dict(table.slack)
+    min_size = dict(table.min_size)
     problems = preconditions(runs)
     results = []
     for n in control.step_numbers:
         for gate in GATES:
-            results.append(_judge(gate, n, control, candidate, reference, contract, tolerances, slack, problems))
+            results.append(_judge(gate, n, control, candidate, reference, contract, tolerances, slack, problems,
+                                  min_size.get(gate, 1)))
     if reference is not None:
         bounds = ("live: against the control max(rel, m(control, reference)), against the reference max(rel, (1 + "
                   "slack) m(control, reference)); rel " + ("from " + tolerances.path if tolerances else "0"))
@@ -424,7 +440,7 @@ def compare(control: Run, candidate: Run, reference: Run | None = None, *, contr
                          problems=problems)
 
 
-def _judge(gate, n, control, candidate, reference, contract, tolerances, slack, problems) -> GateVerdict:
+def _judge(gate, n, control, candidate, reference, contract, tolerances, slack, problems, min_size=1) -> GateVerdict:
     def na(reason, **kw):
         base = dict(vs_control=None, vs_reference=None, control_vs_reference=None, bound_control=None,
                     bound_reference=None, bit_identical=None, worst_tensor=None, source=None)
@@ -432,7 +448,7 @@ def _judge(gate, n, control, candidate, reference, contract, tolerances, slack, 
         return GateVerdict(gate, n, NA, reason, **base)
 
     try:
-        vc, src = metric(gate, candidate, control, n, ("candidate", "control"))
+        vc, src = metric(gate, candidate, control, n, ("candidate", "control"), min_size=min_size)
     except NotAvailable as e:
         return na(str(e))
     tol = _tolerance(tolerances, gate, n)
@@ -440,8 +456,8 @@ def _judge(gate, n, control, candidate, reference, contract, tolerances, slack, 
     vr = cr = bound_r = None
     if reference is not None:
         try:
-            vr = metric(gate, candidate, reference, n, ("candidate", "reference"))[0].value
-            cr = metric(gate, control, reference, n, ("control", "reference"))[0].value
+            vr = metric(gate, candidate, reference, n, ("candidate", "reference"), min_size=min_size)[0].value
+            cr = metric(gate, control, reference, n, ("control", "reference"), min_size=min_size)[0].value
         except NotAvailable as e:
             return na(f"against the reference: {e}", vs_control=vc.value, source=src)
         floor = tol if tol is not None else 0.0
@@ -484,7 +500,7 @@ def _judge(gate, n, control, candidate, reference, contract, tolerances, slack, 
         if not ok_r:
             why.append(f"vs reference {vr:.3e} > {bound_r:.3e}")
         verdict, reason = FAIL, "; ".join(why)
-    reason = "; ".join(x for x in (reason, note) if x)
+    reason = "; ".join(x for x in (reason, note, vc.note) if x)
     return GateVerdict(gate, n, verdict, reason, vc.value, vr, cr, bound_c, bound_r, ident, vc.worst_tensor, src)
 
 

@@ -7,7 +7,7 @@ Every gate compares two run records at each step with a float64 metric (``gates.
 | N2 | ``rel_l2`` of the per-token log-probs over the completion mask |
 | N3 | ``|norm(g_a) - norm(g_b)| / norm(g_b)`` (gradient global norm, float64 from the recorded gradient) |
 | N4 | ``rel_l2`` of the whole flattened gradient |
-| N5 | max over parameter tensors of the tensor's gradient ``rel_l2`` (the worst tensor is named) |
+| N5 | max over parameter tensors of at least ``min_size`` elements of the tensor's gradient ``rel_l2`` (named) |
 | N6 | ``rel_l2`` of the parameter change since step 0 |
 
 Bounds that travel: both bounds of a ``rounding`` gate come from this run's own live control-to-reference distance
@@ -17,9 +17,13 @@ when
   rounding" must move them less than the whole bf16 path's own error does); ``exact`` contract: the arrays it reads
   are bit-identical instead;
 - against the reference pair: ``m(candidate, reference) <= max(floor, (1 + slack) * c)``,
-with ``floor`` and ``slack`` the gate's own (``[gates.N4] floor``, ``[gates.N4] slack``). ``[gates.N4] live_range`` is
-the calibrated range of ``c``: a live ``c`` outside it is reported (``GateResult.environment``, with the numbers) as an
-environment change (another CPU, another XLA), not a failure by itself.
+with ``floor`` and ``slack`` the gate's own (``[gates.N4] floor``, ``[gates.N4] slack``).
+N5 reads only the tensors of at least ``[gates.N5] min_size`` elements (default 1, every tensor): the relative
+distance of a small tensor (a per-head decay vector, a norm's scale) is one draw of a ratio whose spread across
+batches grows as 1 / sqrt(elements), wider than any slack a large tensor needs (docs/lens.md, "False alarms"); such
+tensors stay in N3, N4 and N6. ``[gates.N4] live_range`` is the calibrated range of ``c``: a live ``c`` outside
+it is reported (``GateResult.environment``, with the numbers) as an environment change (another CPU, another
+XLA), not a failure by itself.
 Preconditions (every value finite in all three records, no dropped token) fail every gate when violated.
 Tolerances come from ``fixtures/tolerances.toml`` ``[gates.*]`` (each gate: floor, slack, live_range, reason, source;
 calibrated by ``python -m nxgates calibrate``), read by ``gates.tolerances.load_tolerances``; the float32 lens reads
@@ -82,14 +86,27 @@ def rel_from_squares(num2: float, den2: float) -> float:
     return _finite_or_inf(_rel(num2, den2))
 
 
-def worst_tensor(per_tensor: Mapping[str, tuple[float, float]]) -> Metric:
-    """N5: the largest per-tensor ``rel_from_squares(num2, den2)`` and the tensor's name (names in sorted order)."""
+def worst_tensor(per_tensor: Mapping[str, tuple[float, float]], sizes: Mapping[str, int] | None = None,
+                 min_size: int = 1) -> Metric:
+    """N5: the largest per-tensor ``rel_from_squares(num2, den2)`` and the tensor's name (names in sorted order),
+    over the tensors of at least ``min_size`` elements (``sizes[name]``; a tensor of unknown size is kept). A model
+    with no tensor that large is judged on every tensor, and the metric's ``note`` says so (never a vacuous pass)."""
+    if min_size > 1 and sizes is None:
+        raise ValueError(f"worst_tensor: min_size={min_size} needs the tensors' sizes")
+    names, note = sorted(per_tensor), ""
+    if min_size > 1:
+        large = [n for n in names if sizes.get(n, min_size) >= min_size]
+        if large or not names:
+            names = large
+        else:
+            note = (f"no tensor has >= {min_size} elements (min_size; the largest has "
+                    f"{max(sizes.get(n, 0) for n in names)}): N5 read every tensor")
     worst, worst_name = -1.0, None
-    for n in sorted(per_tensor):
+    for n in names:
         r = rel_from_squares(*per_tensor[n])
         if r > worst:
             worst, worst_name = r, n
-    return Metric(max(worst, 0.0), worst_name)
+    return Metric(max(worst, 0.0), worst_name, note)
 
 
 def reference_bound(tol: float, slack: float, control_vs_reference: float) -> float:
@@ -118,10 +135,12 @@ def environment_note(gate: str, step: int, control_vs_reference: float, live_ran
 class Metric:
     value: float
     worst_tensor: str | None = None  # N5: the tensor with the largest rel L2
+    note: str = ""  # N5: how min_size was applied, when not as the table says
 
 
-def metric(gate: str, a: RunRecord, b: RunRecord, step: int) -> Metric:
-    """m_gate(a, b) at ``step`` (0-based), float64; non-finite inputs give inf."""
+def metric(gate: str, a: RunRecord, b: RunRecord, step: int, *, min_size: int = 1) -> Metric:
+    """m_gate(a, b) at ``step`` (0-based), float64; non-finite inputs give inf. ``min_size``: N5's smallest tensor
+    (``Tolerances.min_size``; the other gates ignore it)."""
     sa, sb = a.steps[step], b.steps[step]
     if gate == "N1":
         return Metric(rel_scalar(float(as_f64(sa.loss)), float(as_f64(sb.loss))))
@@ -141,7 +160,7 @@ def metric(gate: str, a: RunRecord, b: RunRecord, step: int) -> Metric:
         for n in names:
             ga, gb = as_f64(sa.grads[n]), as_f64(sb.grads[n])
             per[n] = (float(np.sum((ga - gb) ** 2)), float(np.sum(gb**2)))
-        return worst_tensor(per)
+        return worst_tensor(per, {n: int(np.size(sb.grads[n])) for n in names}, min_size)
     if gate == "N6":
         da = [as_f64(sa.params[n]) - as_f64(a.params0[n]) for n in names]
         db = [as_f64(sb.params[n]) - as_f64(b.params0[n]) for n in names]
@@ -249,9 +268,10 @@ def evaluate(
                 results.append(GateResult(gate, i + 1, math.inf, math.inf, math.inf, tol, tol, None, False, False, None,
                                           "records do not line up"))
                 continue
-            vc = metric(gate, candidate, control, i)
-            vr = metric(gate, candidate, reference, i).value
-            cr = metric(gate, control, reference, i).value
+            ms = tolerances.min_size.get(gate, 1)
+            vc = metric(gate, candidate, control, i, min_size=ms)
+            vr = metric(gate, candidate, reference, i, min_size=ms).value
+            cr = metric(gate, control, reference, i, min_size=ms).value
             bound_ref = reference_bound(tol, tolerances.slack[gate], cr)
             ident = None
             if contract == "exact":
@@ -268,6 +288,7 @@ def evaluate(
                 note = "precondition failed"
             elif contract == "exact" and not ident:
                 note = "not bit-identical"
+            note = "; ".join(x for x in (note, vc.note) if x)
             env = environment_note(gate, i + 1, cr, tolerances.live_range_at(gate, i + 1))
             results.append(GateResult(gate, i + 1, vc.value, vr, cr, bound_c, bound_ref, ident, bool(ok_c), bool(ok_r),
                                       vc.worst_tensor, note, env))

@@ -1,7 +1,8 @@
 """The one reader of ``fixtures/tolerances.toml``: the gates' ``[gates.*]`` and the kernels' ``[kernels."<key>"]``.
 
 - ``load_tolerances(path)`` -> ``Tolerances``: ``[gates.N1]`` .. ``[gates.N6]`` (each: floor, slack, live_range, reason,
-  source) and ``[gates.golden]`` (rel, cross_env_rel, reason, source), for the six gates and the golden comparison;
+  source; N5 also min_size, the smallest tensor it reads) and ``[gates.golden]`` (rel, cross_env_rel, reason,
+  source), for the six gates and the golden comparison;
   ``load_tolerances(path, section="lens")``: ``[lens.N1]`` .. ``[lens.N6]``, the same fields for the float32 lens.
   The bounds of a rounding gate come from the run's own live control-to-reference distance ``c``: against the control
   ``max(floor, c)``, against the reference ``max(floor, (1 + slack) c)``; ``live_range`` is the calibrated range of
@@ -68,6 +69,8 @@ class Tolerances:
     # [gates.golden] cross_env_rel: the golden compared outside its environment key (another CPU target or versions),
     # rel per step on the loss and the grad norm; None: the table has none (the golden is then not compared there)
     golden_cross_env_rel: float | None = None
+    # [<section>.N5] min_size: N5 reads the tensors of at least this many elements (absent: every tensor)
+    min_size: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def tol_at(self, gate: str, step: int) -> float:
         """The floor of ``gate`` at ``step`` (1-based); a per-step table must cover the step."""
@@ -126,7 +129,7 @@ def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES, section: str 
     if "slack" in table:
         raise ValueError(f"tolerances: [{section}.slack] in {path} is not read: the slack is per gate "
                          f"([{section}.N1] slack = ..., ... [{section}.N6] slack = ...); remove it")
-    tol, slack, reasons, sources, live = {}, {}, {}, {}, {}
+    tol, slack, reasons, sources, live, min_size = {}, {}, {}, {}, {}, {}
     keys = (*GATES, "golden") if section == "gates" else GATES
     for key in keys:
         name = f"{section}.{key}"
@@ -155,10 +158,18 @@ def load_tolerances(path: str | pathlib.Path = DEFAULT_TOLERANCES, section: str 
             slack[key] = _number(name, "slack", entry["slack"])
             if "live_range" in entry:
                 live[key] = _live_range(name, entry["live_range"])
+            if "min_size" in entry:
+                if key != "N5":
+                    raise ValueError(f"tolerances: [{name}] min_size is read for N5 only (the worst tensor), not "
+                                     f"{key}; remove it from {path}")
+                v = entry["min_size"]
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"tolerances: [{name}] min_size={v!r} must be an integer >= 1 (elements)")
+                min_size[key] = v
         reasons[key], sources[key] = str(entry["reason"]), str(entry["source"])
     return Tolerances(
         tol={g: tol[g] for g in GATES}, slack=slack, golden_rel=tol.get("golden", 0.0), reasons=reasons,
-        sources=sources, path=str(path), live_range=live, section=section,
+        sources=sources, path=str(path), live_range=live, section=section, min_size=min_size,
         golden_cross_env_rel=(_number(f"{section}.golden", "cross_env_rel", table["golden"]["cross_env_rel"])
                               if section == "gates" and "cross_env_rel" in table["golden"] else None),
     )

@@ -53,6 +53,24 @@ def test_rule_is_calibrates_and_file_is_read_by_compare(runs, tmp_path):
     assert cli.main(["compare", str(runs / "ctrl"), str(runs / "far"), "--tolerances", str(out)]) == 1
 
 
+def test_n5_min_size_is_measured_with_and_written_to_the_file(runs, tmp_path):
+    """N5 is calibrated on the tensors it will judge: by default the repository table's ``min_size`` (which leaves out
+    the 8-element ``b``), ``--n5-min-size 1`` every tensor; the file carries the value, and compare reads it back."""
+    default = calibrate_records.calibrate_records(runs / "ctrl", runs / "ref", [runs / "benign"])
+    every = calibrate_records.calibrate_records(runs / "ctrl", runs / "ref", [runs / "benign"], n5_min_size=1)
+    assert default["n5_min_size"] == tolerances.load_tolerances().min_size["N5"] > 8
+    n5 = lambda res: [r["control_vs_reference"] for r in res["rows"] if r["gate"] == "N5"]  # noqa: E731
+    assert n5(default) != n5(every)  # b's own distance is the largest with every tensor read
+    out = tmp_path / "t.toml"
+    out.write_text(default["toml"])
+    assert tolerances.load_tolerances(out).min_size == {"N5": default["n5_min_size"]}
+    out.write_text(every["toml"])
+    assert tolerances.load_tolerances(out).min_size == {}
+    assert cli.main(["calibrate-records", str(runs / "ctrl"), str(runs / "ref"), "--out", str(out),
+                     "--n5-min-size", "4"]) == 0
+    assert tolerances.load_tolerances(out).min_size == {"N5": 4}
+
+
 def test_without_benign_runs_the_slack_is_the_floor(runs):
     res = calibrate_records.calibrate_records(runs / "ctrl", runs / "ref")
     assert {p["slack"] for p in res["proposed"].values()} == {calibrate.SLACK_FLOOR}
@@ -71,6 +89,7 @@ def test_a_gate_without_data_gets_the_strictest_bound(runs, tmp_path):
     (["ctrl", "missing"], "missing record"),
     (["ctrl", "ref", "cfg2"], "different config"),
     (["ctrl", "ref", "--out", "."], "is a directory"),
+    (["ctrl", "ref", "--n5-min-size", "0"], "--n5-min-size 0: must be an integer >= 1"),
 ])
 def test_bad_input_exits_2_named(runs, capsys, args, match, monkeypatch):
     monkeypatch.chdir(runs)

@@ -2,6 +2,7 @@
 wrong candidate; n/a is never a pass; the exact contract is decided by fingerprints; bad records exit 2, named."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -30,9 +31,10 @@ def _noise(tree, rel, seed):
 
 
 def write_run(path, *, noise=0.0, seed=1, extra=0.0, bug=None, full=False, drop=(), width=W, sk_seed=0, config=None,
-              steps=STEPS, mask_flip=False):
-    """A three-step run: the float64 'truth' perturbed by relative noise (rounding), optionally with a bug."""
-    grads, p0, logp, mask = _base()
+              steps=STEPS, mask_flip=False, base=None):
+    """A three-step run: the float64 'truth' perturbed by relative noise (rounding), optionally with a bug. ``base``:
+    another truth (``_base()``'s tuple) to perturb."""
+    grads, p0, logp, mask = base or _base()
     if mask_flip:
         mask = mask.copy()
         mask[0, 0] = 1 - mask[0, 0]
@@ -148,6 +150,31 @@ def _table(d, rel):
     p = d / f"tol_{abs(hash(tuple(rels.items())))}.toml"
     p.write_text(text + '[gates.golden]\nrel = 0.0\nreason = "t"\nsource = "t"\n')
     return tolerances.load_tolerances(p)
+
+
+def test_n5_reads_the_tensors_of_at_least_min_size_elements(trio):
+    """The 8-element ``b`` 50% off fails N5 with every tensor read; with ``[gates.N5] min_size = 16`` (sizes from the
+    record's tensor list) N5 reads only ``w`` and ``v`` and passes, and a 5% error of ``v`` still fails it."""
+    d = trio["dir"]
+    small = write_run(d / "bug_small", noise=1e-2, seed=1, bug="N5")
+    assert compare.tensor_sizes(small, small.steps[1]) == {"w": 64 * 96, "v": 32 * 64, "b": 8}
+    every = _n3_floor(d)
+    sized_path = d / "tol_min_size.toml"
+    sized_path.write_text(pathlib.Path(every.path).read_text().replace("[gates.N5]\nrel = 0.0\n",
+                                                                       "[gates.N5]\nrel = 0.0\nmin_size = 16\n"))
+    sized = tolerances.load_tolerances(sized_path)
+    assert sized.min_size == {"N5": 16}
+    n5 = lambda rep: [r for r in rep.results if r.gate == "N5"]  # noqa: E731
+    rep = compare.compare(trio["control"], small, trio["reference"], tolerances=every)
+    assert {r.worst_tensor for r in n5(rep)} == {"b"} and any(r.verdict == compare.FAIL for r in n5(rep))
+    rep = compare.compare(trio["control"], small, trio["reference"], tolerances=sized)
+    assert "b" not in {r.worst_tensor for r in n5(rep)} and all(r.verdict == compare.PASS for r in n5(rep)), rep.table()
+    grads, p0, logp, mask = _base()
+    for i in range(STEPS):  # the same run with v 5% off as well
+        grads[i]["v"] = grads[i]["v"] * 1.05
+    big = write_run(d / "bug_big", noise=1e-2, seed=1, bug="N5", base=(grads, p0, logp, mask))
+    rep = compare.compare(trio["control"], big, trio["reference"], tolerances=sized)
+    assert {r.worst_tensor for r in n5(rep)} == {"v"} and all(r.verdict == compare.FAIL for r in n5(rep))
 
 
 def test_exact_contract_is_decided_by_fingerprints(trio):

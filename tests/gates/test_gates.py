@@ -6,6 +6,7 @@ Run: python -m pytest tests/gates/test_gates.py -q
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import pathlib
 
@@ -134,6 +135,55 @@ def test_one_tensor_wrong_is_caught_by_n5_alone(trio):
         s.grads["norm/scale"] = s.grads["norm/scale"] * np.float32(1.03)
     results, _ = G.evaluate(cand, control, reference, "rounding", TOLS)
     assert failed_gates(results) == {"N5"}
+
+
+def test_n5_min_size_leaves_small_tensors_to_the_other_gates(trio):
+    """A 3-element tensor 50% off: N5 names it with every tensor read; with min_size 4 it is out of N5 (the worst of
+    the larger tensors is named instead), and N4 and N3 still fail on it. A large tensor's error still fails N5."""
+    control, reference = trio
+    cand = copy.deepcopy(control)
+    for s in cand.steps:
+        s.grads["norm/scale"] = s.grads["norm/scale"] * np.float32(1.5)
+        s.grad_norm = np.asarray(math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in s.grads.values())),
+                                 np.float32)
+    every = G.metric("N5", cand, control, 1)
+    assert every.worst_tensor == "norm/scale" and every.value == pytest.approx(0.5, rel=1e-6)
+    large = G.metric("N5", cand, control, 1, min_size=4)
+    assert large.worst_tensor != "norm/scale" and large.value == 0.0  # the other tensors are the control's own
+    assert not large.note and not every.note
+    # a min_size above every tensor never makes N5 vacuous: it reads every tensor, and says so
+    above = G.metric("N5", cand, control, 1, min_size=1024)
+    assert above.worst_tensor == "norm/scale" and above.value == every.value
+    assert "no tensor has >= 1024 elements" in above.note and "largest has 24" in above.note
+    results, _ = G.evaluate(cand, control, reference, "rounding", dataclasses.replace(TOLS, min_size={"N5": 1024}))
+    assert all("N5 read every tensor" in r.note for r in results if r.gate == "N5")
+    assert not any(r.note for r in results if r.gate != "N5")
+    sized = dataclasses.replace(TOLS, min_size={"N5": 4})
+    results, _ = G.evaluate(cand, control, reference, "rounding", sized)
+    assert {"N3", "N4"} <= failed_gates(results) and "N5" not in failed_gates(results)
+    results, _ = G.evaluate(cand, control, reference, "rounding", TOLS)
+    assert "N5" in failed_gates(results)
+    for s in cand.steps:  # a 20-element tensor 5% off: above min_size, so N5 still fails it
+        s.grads["mlp/w_out"] = s.grads["mlp/w_out"] * np.float32(1.05)
+    results, _ = G.evaluate(cand, control, reference, "rounding", sized)
+    assert "N5" in failed_gates(results)
+    assert {r.worst_tensor for r in results if r.gate == "N5"} == {"mlp/w_out"}
+
+
+def test_n5_min_size_is_read_for_n5_only_and_must_be_a_count(tmp_path: pathlib.Path):
+    good = T.DEFAULT_TOLERANCES.read_text()
+    assert T.load_tolerances().min_size["N5"] > 1  # the repository table leaves tiny's 4-element vectors to N4
+    p = tmp_path / "t.toml"
+    for bad, match in (("0", r"\[gates.N5\] min_size=0 must be an integer >= 1"),
+                       ("2.5", r"\[gates.N5\] min_size=2.5 must be an integer >= 1"),
+                       ("true", r"\[gates.N5\] min_size=True must be an integer >= 1")):
+        p.write_text(good.replace("[gates.N5]\nfloor = 0.0\nmin_size = 1024",
+                                  f"[gates.N5]\nfloor = 0.0\nmin_size = {bad}"))
+        with pytest.raises(ValueError, match=match):
+            T.load_tolerances(p)
+    p.write_text(good.replace("[gates.N4]\nfloor = 0.0\n", "[gates.N4]\nfloor = 0.0\nmin_size = 8\n"))
+    with pytest.raises(ValueError, match=r"\[gates.N4\] min_size is read for N5 only"):
+        T.load_tolerances(p)
 
 
 def test_each_gate_catches_its_own_wrong_input(trio):
