@@ -148,24 +148,42 @@ def metric(gate: str, a: RunRecord, b: RunRecord, step: int, *, min_size: int = 
         m = np.asarray(a.mask) > 0
         x, y = as_f64(sa.logp)[m], as_f64(sb.logp)[m]
         return Metric(rel_from_squares(float(np.sum((x - y) ** 2)), float(np.sum(y**2))))
-    names = sorted(sb.grads)
-    if gate == "N3":
-        return Metric(rel_scalar(math.sqrt(_norm2(sa.grads[n] for n in names)),
-                                 math.sqrt(_norm2(sb.grads[n] for n in names))))
-    if gate == "N4":
-        num = _norm2(as_f64(sa.grads[n]) - as_f64(sb.grads[n]) for n in names)
-        return Metric(rel_from_squares(num, _norm2(sb.grads[n] for n in names)))
-    if gate == "N5":
-        per = {}
-        for n in names:
-            ga, gb = as_f64(sa.grads[n]), as_f64(sb.grads[n])
-            per[n] = (float(np.sum((ga - gb) ** 2)), float(np.sum(gb**2)))
-        return worst_tensor(per, {n: int(np.size(sb.grads[n])) for n in names}, min_size)
+    if gate in ("N3", "N4", "N5"):
+        return _from_grad_sums(gate, _grad_sums(sa, sb), min_size)
     if gate == "N6":
+        names = sorted(sb.grads)
         da = [as_f64(sa.params[n]) - as_f64(a.params0[n]) for n in names]
         db = [as_f64(sb.params[n]) - as_f64(b.params0[n]) for n in names]
         return Metric(rel_from_squares(_norm2(x - y for x, y in zip(da, db, strict=True)), _norm2(db)))
     raise ValueError(f"metric: gate={gate!r} is not one of {GATES}")
+
+
+def metrics(a: RunRecord, b: RunRecord, step: int, *, min_size: int = 1) -> dict[str, Metric]:
+    """Every gate's ``metric(gate, a, b, step)``, the same numbers to the bit, with N3, N4 and N5 read from one pass
+    over the two gradients (``metric`` per gate would convert each tensor to float64 once per gate)."""
+    sums = _grad_sums(a.steps[step], b.steps[step])
+    return {g: (_from_grad_sums(g, sums, min_size) if g in ("N3", "N4", "N5")
+                else metric(g, a, b, step, min_size=min_size)) for g in GATES}
+
+
+def _grad_sums(sa, sb) -> dict[str, tuple[float, float, float, int]]:
+    """Per tensor of ``sb`` in sorted order: (||a - b||^2, ||a||^2, ||b||^2, elements), float64."""
+    out = {}
+    for n in sorted(sb.grads):
+        ga, gb = as_f64(sa.grads[n]), as_f64(sb.grads[n])
+        out[n] = (float(np.sum((ga - gb) ** 2)), float(np.sum(ga**2)), float(np.sum(gb**2)), int(gb.size))
+    return out
+
+
+def _from_grad_sums(gate: str, sums: Mapping[str, tuple[float, float, float, int]], min_size: int) -> Metric:
+    """N3 (the global norms), N4 (the whole gradient) or N5 (the worst tensor) from ``_grad_sums``; sums in tensor
+    order, as the gates have always added them."""
+    if gate == "N3":
+        return Metric(rel_scalar(math.sqrt(sum(v[1] for v in sums.values())),
+                                 math.sqrt(sum(v[2] for v in sums.values()))))
+    if gate == "N4":
+        return Metric(rel_from_squares(sum(v[0] for v in sums.values()), sum(v[2] for v in sums.values())))
+    return worst_tensor({n: (v[0], v[2]) for n, v in sums.items()}, {n: v[3] for n, v in sums.items()}, min_size)
 
 
 def _bits_equal(x, y) -> bool:
@@ -190,20 +208,26 @@ def bit_identical(gate: str, a: RunRecord, b: RunRecord, step: int) -> bool:
 
 
 # -------------------------------------------------------------------------------------------------------- preconditions
+def _all_finite(x) -> bool:
+    """Every value finite: float32 / float64 arrays tested as they are, any other dtype (bf16, fp8) in float64."""
+    x = np.asarray(x)
+    return bool(np.all(np.isfinite(x if x.dtype in (np.float32, np.float64) else as_f64(x))))
+
+
 def preconditions(records: Mapping[str, RunRecord]) -> list[str]:
     """Violations (empty when fine): a non-finite value anywhere, a dropped token, records that do not line up."""
     problems = []
     for label, rec in records.items():
         for i, s in enumerate(rec.steps):
             bad = []
-            if not np.all(np.isfinite(as_f64(s.loss))):
+            if not _all_finite(s.loss):
                 bad.append("loss")
-            if not np.all(np.isfinite(as_f64(s.grad_norm))):
+            if not _all_finite(s.grad_norm):
                 bad.append("grad_norm")
-            if not np.all(np.isfinite(as_f64(s.logp))):
+            if not _all_finite(s.logp):
                 bad.append("logp")
-            bad += [f"grads/{n}" for n, g in s.grads.items() if not np.all(np.isfinite(as_f64(g)))]
-            bad += [f"params/{n}" for n, p in s.params.items() if not np.all(np.isfinite(as_f64(p)))]
+            bad += [f"grads/{n}" for n, g in s.grads.items() if not _all_finite(g)]
+            bad += [f"params/{n}" for n, p in s.params.items() if not _all_finite(p)]
             if bad:
                 more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
                 problems.append(f"{label} step {i + 1}: non-finite {', '.join(bad[:3])}{more}")
@@ -261,17 +285,21 @@ def evaluate(
     problems = preconditions({"candidate": candidate, "control": control, "reference": reference})
     shape_ok = not any(("steps" in p or "parameter tensors" in p or "masks" in p) for p in problems)
     results = []
+    min_size = tolerances.min_size.get("N5", 1)
     for i in range(control.num_steps):
+        if shape_ok:  # each pair's six metrics at this step, N3-N5 from one pass over the two gradients
+            m_cc = metrics(candidate, control, i, min_size=min_size)
+            m_cr = metrics(candidate, reference, i, min_size=min_size)
+            m_kr = metrics(control, reference, i, min_size=min_size)
         for gate in GATES:
             tol = tolerances.tol_at(gate, i + 1)  # the floor
             if not shape_ok:
                 results.append(GateResult(gate, i + 1, math.inf, math.inf, math.inf, tol, tol, None, False, False, None,
                                           "records do not line up"))
                 continue
-            ms = tolerances.min_size.get(gate, 1)
-            vc = metric(gate, candidate, control, i, min_size=ms)
-            vr = metric(gate, candidate, reference, i, min_size=ms).value
-            cr = metric(gate, control, reference, i, min_size=ms).value
+            vc = m_cc[gate]
+            vr = m_cr[gate].value
+            cr = m_kr[gate].value
             bound_ref = reference_bound(tol, tolerances.slack[gate], cr)
             ident = None
             if contract == "exact":

@@ -76,6 +76,23 @@ def test_metrics_match_their_definitions(trio):
     assert G.metric("N6", cand, control, 1).value == 0.0  # params untouched
 
 
+@pytest.mark.parametrize("min_size", [1, 4, 1024])
+def test_metrics_of_one_pass_equal_each_gates_metric_to_the_bit(trio, min_size):
+    """``metrics`` (what ``evaluate`` reads: N3-N5 from one pass over the gradients) gives ``metric``'s numbers,
+    names and notes exactly, for a candidate with noise everywhere and one tensor far off."""
+    control, reference = trio
+    cand = noisy(control, 3e-3, seed=11)
+    for s in cand.steps:
+        s.grads["norm/scale"] = s.grads["norm/scale"] * np.float32(1.5)
+    for a, b in ((cand, control), (cand, reference), (control, reference)):
+        for step in range(control.num_steps):
+            together = G.metrics(a, b, step, min_size=min_size)
+            assert list(together) == list(G.GATES)
+            for gate in G.GATES:
+                alone = G.metric(gate, a, b, step, min_size=min_size)
+                assert together[gate] == alone, (gate, step)
+
+
 def test_n2_ignores_tokens_outside_the_completion_mask(trio):
     control, _ = trio
     cand = copy.deepcopy(control)
