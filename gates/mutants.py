@@ -124,25 +124,35 @@ def with_backward_edit(real, edit, name):
     return f
 
 
-def _dswiglu_missing_factor(cfg, flags):
+def _dswiglu_epilogue_edit(flags, name: str, delta):
+    """The real MoE MLP with a wrong fused dSwiGLU epilogue: ``delta(gate, up, dh)`` -> [m, 2F], the wrong epilogue's
+    cotangent of ``gate_up`` minus the correct one (dh = route weight * dy @ wo^T per group), added on top of the real
+    kernel's dx and dwi through the reference GMMs."""
     from nxgates import reference
+
     def edit(primals, dy, grads):
-        # The correct dgate is dh * up * s * (1 + gate * (1 - s)); the mutant drops the (1 + gate * (1 - s)) factor.
-        # Added on top of the real kernel's cotangents: delta = buggy - correct = -dh * up * s * gate * (1 - s).
         x, wi, wo, gs, r = primals
         dx, dwi, dwo, dr = grads
         f = wo.shape[1]
         gate_up = reference.gmm(x, wi, gs)  # [m, 2F] f32
         gate, up = gate_up[:, :f], gate_up[:, f:]
-        g = reference.gmm(dy, jnp.swapaxes(wo, 1, 2), gs)  # [m, F] = dy @ wo^T per group
-        dh = g * r.astype(jnp.float32)[:, None]
-        s = jax.nn.sigmoid(gate)
-        d_delta = jnp.concatenate([-dh * up * s * gate * (1 - s), jnp.zeros_like(up)], axis=1)  # [m, 2F]
+        dh = reference.gmm(dy, jnp.swapaxes(wo, 1, 2), gs) * r.astype(jnp.float32)[:, None]  # [m, F]
+        d_delta = delta(gate, up, dh)
         dx = (dx.astype(jnp.float32) + reference.gmm(d_delta, jnp.swapaxes(wi, 1, 2), gs)).astype(dx.dtype)
         dwi = (dwi.astype(jnp.float32) + reference.tgmm(x, d_delta, gs)).astype(dwi.dtype)
         return dx, dwi, dwo, dr
 
-    return [("moe_mlp", with_backward_edit(_real_moe_mlp(flags), edit, "moe_mlp_dswiglu_missing_factor"))]
+    return [("moe_mlp", with_backward_edit(_real_moe_mlp(flags), edit, name))]
+
+
+def _dswiglu_missing_factor(cfg, flags):
+    def delta(gate, up, dh):
+        # The correct dgate is dh * up * s * (1 + gate * (1 - s)); the mutant drops the (1 + gate * (1 - s)) factor:
+        # buggy - correct = -dh * up * s * gate * (1 - s) on the gate half.
+        s = jax.nn.sigmoid(gate)
+        return jnp.concatenate([-dh * up * s * gate * (1 - s), jnp.zeros_like(up)], axis=1)
+
+    return _dswiglu_epilogue_edit(flags, "moe_mlp_dswiglu_missing_factor", delta)
 
 
 def _d_route_weighted(cfg, flags):
@@ -236,23 +246,12 @@ def _swiglu_swish_beta(cfg, flags):
 
 
 def _dswiglu_stale_scale(cfg, flags):
-    from nxgates import reference
+    def delta(gate, up, dh):
+        # A stale constant: d_up = (1 - 2^-8) * dh * silu(gate) instead of dh * silu(gate): -2^-8 * dh * silu(gate)
+        # on the up half.
+        return jnp.concatenate([jnp.zeros_like(gate), -(2.0**-8) * dh * jax.nn.silu(gate)], axis=1)
 
-    def edit(primals, dy, grads):
-        # A stale constant in the fused dSwiGLU epilogue: d_up = (1 - 2^-8) * dh * silu(gate) instead of
-        # dh * silu(gate). Added on top of the real kernel's cotangents: delta = -2^-8 * dh * silu(gate) on the up half.
-        x, wi, wo, gs, r = primals
-        dx, dwi, dwo, dr = grads
-        f = wo.shape[1]
-        gate_up = reference.gmm(x, wi, gs)  # [m, 2F] f32
-        gate = gate_up[:, :f]
-        dh = reference.gmm(dy, jnp.swapaxes(wo, 1, 2), gs) * r.astype(jnp.float32)[:, None]
-        d_delta = jnp.concatenate([jnp.zeros_like(gate), -(2.0**-8) * dh * jax.nn.silu(gate)], axis=1)  # [m, 2F]
-        dx = (dx.astype(jnp.float32) + reference.gmm(d_delta, jnp.swapaxes(wi, 1, 2), gs)).astype(dx.dtype)
-        dwi = (dwi.astype(jnp.float32) + reference.tgmm(x, d_delta, gs)).astype(dwi.dtype)
-        return dx, dwi, dwo, dr
-
-    return [("moe_mlp", with_backward_edit(_real_moe_mlp(flags), edit, "moe_mlp_dswiglu_stale_scale"))]
+    return _dswiglu_epilogue_edit(flags, "moe_mlp_dswiglu_stale_scale", delta)
 
 
 def _d_route_stale_scale(cfg, flags):
