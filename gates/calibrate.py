@@ -198,19 +198,22 @@ def calibrate(config: str, api=None, benign: dict | list[dict] | None = None, *,
     # N5 reads the tensors the table being calibrated lets it read ([gates.N5] / [lens.N5] min_size)
     min_size = (r.lens_tolerances if lens else r.tolerances).min_size
     for i in range(control.num_steps):
-        for g in gates_lib.GATES:
-            def m(a, b, g=g, i=i):
-                return gates_lib.metric(g, a, b, i, min_size=min_size.get(g, 1)).value
+        # every gate of each pair at this step, N3-N5 from one pass over the two gradients (gates.metrics)
+        def of(a, b, i=i):
+            return gates_lib.metrics(a, b, i, min_size=min_size.get("N5", 1))
 
-            per = [(m(c, control), m(c, reference)) for c in cands]
+        vs_control, vs_reference = [of(c, control) for c in cands], [of(c, reference) for c in cands]
+        control_vs_reference, again_vs_control = of(control, reference), (of(again, control) if again else None)
+        for g in gates_lib.GATES:
+            per = [(a[g].value, b[g].value) for a, b in zip(vs_control, vs_reference, strict=True)]
             worst = max(range(len(per)), key=lambda j: per[j][1])  # the draw farthest from the reference
             rows.append({
                 "gate": g, "step": i + 1,
-                "control_vs_reference": m(control, reference),
+                "control_vs_reference": control_vs_reference[g].value,
                 "benign_vs_control": max(p[0] for p in per),  # the largest over the draws (not the worst draw's)
                 "benign_vs_reference": per[worst][1],
                 "benign_worst": ",".join(f"{k}={v}" for k, v in benigns[worst].items()),
-                "control_again_vs_control": m(again, control) if again else None,
+                "control_again_vs_control": again_vs_control[g].value if again else None,
                 "control_reproducible_bits": gates_lib.bit_identical(g, again, control, i) if again else None,
             })
     proposed = derive_lens_tolerances(rows) if lens else derive_tolerances(rows)

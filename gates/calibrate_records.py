@@ -63,7 +63,7 @@ def measure(control, reference, benign: list, *, n5_min_size: int = 1) -> dict:
         gate_rows = []
         try:
             for n in steps:
-                ms = n5_min_size if gate == "N5" else 1
+                ms = n5_min_size  # read by N5 only
                 cr, src = compare_lib.metric(gate, control, reference, n, ("control", "reference"), min_size=ms)
                 per = [(compare_lib.metric(gate, b, control, n, (f"benign {i + 1}", "control"), min_size=ms)[0].value,
                         compare_lib.metric(gate, b, reference, n, (f"benign {i + 1}", "reference"),

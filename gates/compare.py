@@ -9,9 +9,9 @@ Each gate's metric is the one of ``gates.gates`` (the same formulas: ``rel_scala
 | N3 | ``grad/*`` (float64 norm) | ``grad_sq/*`` (per-tensor float32 squares, summed in float64), else ``grad_norm`` |
 | N4 | ``grad/*`` | ``grad_sketch/*``: ``sum_t ||S(a_t) - S(b_t)||^2`` over ``sum_t grad_sq`` (or ``||S(b_t)||^2``) |
 | N5 | ``grad/*`` | the same per tensor; tensors below the sketch width are stored exactly, so exact |
+| N6 | ``param/*`` with step 0 | ``update_sketch/*`` summed over steps 1..t, else ``param_sketch`` at t minus step 0 |
 
 N5 reads the tensors of at least the table's ``[gates.N5] min_size`` elements (sizes from the record's tensor list).
-| N6 | ``param/*`` with step 0 | ``update_sketch/*`` summed over steps 1..t, else ``param_sketch`` at t minus step 0 |
 
 Verdicts per gate and step, with ``tol``/``slack`` from the tolerance table:
 - with ``--reference``: against the control ``m(cand, ctrl) <= max(tol, m(ctrl, ref))`` and against the reference

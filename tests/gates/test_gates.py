@@ -78,8 +78,10 @@ def test_metrics_match_their_definitions(trio):
 
 @pytest.mark.parametrize("min_size", [1, 4, 1024])
 def test_metrics_of_one_pass_equal_each_gates_metric_to_the_bit(trio, min_size):
-    """``metrics`` (what ``evaluate`` reads: N3-N5 from one pass over the gradients) gives ``metric``'s numbers,
-    names and notes exactly, for a candidate with noise everywhere and one tensor far off."""
+    """``metrics`` (what ``evaluate`` and ``calibrate`` read: N3-N5 from one pass over the gradients) hands each gate
+    ``metric``'s value, name and note, at every min_size. (Both share the per-tensor sums; that those sums give the
+    gates' definitions is test_metrics_match_their_definitions, and that evaluate's verdicts did not move was checked
+    against the previous code on tiny's records, docs/speed.md.)"""
     control, reference = trio
     cand = noisy(control, 3e-3, seed=11)
     for s in cand.steps:
