@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pathlib
 import statistics
 import sys
 import tempfile
@@ -58,7 +59,9 @@ def main(argv=None) -> int:
                 ticker.LogFormatter = fmt
                 t = time.perf_counter()
                 for i, c in enumerate(checks):
-                    plots.gate_curves(c, f"{out}/{i:02d}-{'plain' if fmt is plain else 'mathtext'}.png")
+                    path = pathlib.Path(f"{out}/{i:02d}-{'plain' if fmt is plain else 'mathtext'}.png")
+                    path.unlink(missing_ok=True)  # drawn every round (a picture of the same numbers would be kept)
+                    plots.gate_curves(c, path)
                 seconds[name].append(time.perf_counter() - t)
     finally:
         ticker.LogFormatter = plain

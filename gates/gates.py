@@ -214,37 +214,131 @@ def _all_finite(x) -> bool:
     return bool(np.all(np.isfinite(x if x.dtype in (np.float32, np.float64) else as_f64(x))))
 
 
-def preconditions(records: Mapping[str, RunRecord]) -> list[str]:
-    """Violations (empty when fine): a non-finite value anywhere, a dropped token, records that do not line up."""
+def _own_problems(rec: RunRecord) -> list[str]:
+    """One record's own violations (a non-finite value, a dropped token), each naming the record as ``{label}``."""
     problems = []
-    for label, rec in records.items():
-        for i, s in enumerate(rec.steps):
-            bad = []
-            if not _all_finite(s.loss):
-                bad.append("loss")
-            if not _all_finite(s.grad_norm):
-                bad.append("grad_norm")
-            if not _all_finite(s.logp):
-                bad.append("logp")
-            bad += [f"grads/{n}" for n, g in s.grads.items() if not _all_finite(g)]
-            bad += [f"params/{n}" for n, p in s.params.items() if not _all_finite(p)]
-            if bad:
-                more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
-                problems.append(f"{label} step {i + 1}: non-finite {', '.join(bad[:3])}{more}")
-            if s.dropped_tokens != 0:
-                problems.append(f"{label} step {i + 1}: {s.dropped_tokens} dropped tokens")
-    recs = list(records.items())
-    (l0, r0) = recs[0]
-    for label, rec in recs[1:]:
-        if rec.num_steps != r0.num_steps:
-            problems.append(f"{label} has {rec.num_steps} steps, {l0} has {r0.num_steps}")
-        if set(rec.params0) != set(r0.params0):
-            problems.append(f"{label} and {l0} have different parameter tensors")
-        elif not all(_bits_equal(rec.params0[n], r0.params0[n]) for n in r0.params0):
-            problems.append(f"{label} and {l0} start from different initial parameters")
-        if not _bits_equal(rec.mask, r0.mask):
-            problems.append(f"{label} and {l0} use different completion masks")
+    for i, s in enumerate(rec.steps):
+        bad = []
+        if not _all_finite(s.loss):
+            bad.append("loss")
+        if not _all_finite(s.grad_norm):
+            bad.append("grad_norm")
+        if not _all_finite(s.logp):
+            bad.append("logp")
+        bad += [f"grads/{n}" for n, g in s.grads.items() if not _all_finite(g)]
+        bad += [f"params/{n}" for n, p in s.params.items() if not _all_finite(p)]
+        if bad:
+            more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+            problems.append(f"{{label}} step {i + 1}: non-finite {', '.join(bad[:3])}{more}")
+        if s.dropped_tokens != 0:
+            problems.append(f"{{label}} step {i + 1}: {s.dropped_tokens} dropped tokens")
     return problems
+
+
+def _alignment(a: RunRecord, b: RunRecord) -> tuple[list[str], bool]:
+    """(how ``b`` fails to line up with ``a``, naming them ``{a}`` and ``{b}``; whether the gates can read the pair:
+    the same steps, tensors and mask)."""
+    problems, aligned = [], True
+    if b.num_steps != a.num_steps:
+        problems.append(f"{{b}} has {b.num_steps} steps, {{a}} has {a.num_steps}")
+        aligned = False
+    if set(b.params0) != set(a.params0):
+        problems.append("{b} and {a} have different parameter tensors")
+        aligned = False
+    elif not all(_bits_equal(b.params0[n], a.params0[n]) for n in a.params0):
+        problems.append("{b} and {a} start from different initial parameters")
+    if not _bits_equal(b.mask, a.mask):
+        problems.append("{b} and {a} use different completion masks")
+        aligned = False
+    return problems, aligned
+
+
+def _named(templates, **labels) -> list[str]:
+    out = []
+    for t in templates:
+        for k, v in labels.items():
+            t = t.replace("{" + k + "}", v)
+        out.append(t)
+    return out
+
+
+def preconditions(records: Mapping[str, RunRecord]) -> list[str]:
+    """Violations (empty when fine): a non-finite value anywhere, a dropped token, records that do not line up (each
+    against the first)."""
+    problems = [p for label, rec in records.items() for p in _named(_own_problems(rec), label=label)]
+    (l0, r0), *rest = list(records.items())
+    for label, rec in rest:
+        problems += _named(_alignment(r0, rec)[0], a=l0, b=label)
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------------- pair digests
+@dataclasses.dataclass(frozen=True)
+class StepDigest:
+    """What the gates read of two records at one step: N1, N2 and N6 (``scalar``), the per-tensor gradient sums that
+    N3, N4 and N5 are formed from (``_grad_sums``: ||a - b||^2, ||a||^2, ||b||^2, elements), and per gate whether
+    the arrays it reads are bit-identical."""
+
+    scalar: dict[str, float]
+    grad_sums: dict[str, tuple[float, float, float, int]]
+    identical: dict[str, bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class PairDigest:
+    """Everything ``evaluate`` reads of a pair of records (a, b), a few kilobytes instead of two records: a cached
+    candidate is kept as its digests against the control and the reference (``gates.candidates``). The gates formed
+    from it are the same numbers, to the bit, as from the records: the same sums, in the same order.
+
+    ``own``: each record's own violations (``{label}`` for its name); ``alignment``: how b fails to line up with a
+    (``{a}``, ``{b}``); ``steps``: one ``StepDigest`` per step, empty when the records do not line up (``aligned``
+    False); ``num_steps``: a's."""
+
+    num_steps: int
+    own: tuple[tuple[str, ...], tuple[str, ...]]
+    alignment: tuple[str, ...]
+    aligned: bool
+    steps: tuple[StepDigest, ...]
+
+    def metrics(self, step: int, *, min_size: int = 1) -> dict[str, Metric]:
+        """``metrics(a, b, step, min_size=...)`` of the records this digest was taken from."""
+        d = self.steps[step]
+        return {g: (_from_grad_sums(g, d.grad_sums, min_size) if g in ("N3", "N4", "N5") else Metric(d.scalar[g]))
+                for g in GATES}
+
+    def to_json(self) -> dict:
+        return {"num_steps": self.num_steps, "own": [list(x) for x in self.own], "alignment": list(self.alignment),
+                "aligned": self.aligned,
+                "steps": [{"scalar": d.scalar, "grad_sums": {n: list(v) for n, v in d.grad_sums.items()},
+                           "identical": d.identical} for d in self.steps]}
+
+    @classmethod
+    def from_json(cls, obj: Mapping) -> PairDigest:
+        """The digest ``to_json`` wrote (floats round-trip exactly through JSON); ValueError on anything else."""
+        try:
+            steps = tuple(StepDigest(scalar={g: float(obj_s["scalar"][g]) for g in ("N1", "N2", "N6")},
+                                     grad_sums={str(n): (float(v[0]), float(v[1]), float(v[2]), int(v[3]))
+                                                for n, v in obj_s["grad_sums"].items()},
+                                     identical={g: bool(obj_s["identical"][g]) for g in GATES})
+                          for obj_s in obj["steps"])
+            own = obj["own"]
+            return cls(num_steps=int(obj["num_steps"]), own=(tuple(map(str, own[0])), tuple(map(str, own[1]))),
+                       alignment=tuple(map(str, obj["alignment"])), aligned=bool(obj["aligned"]), steps=steps)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ValueError(f"pair digest: malformed ({type(e).__name__}: {e})") from None
+
+
+def pair_digest(a: RunRecord, b: RunRecord) -> PairDigest:
+    """The ``PairDigest`` of records ``a`` and ``b`` (N5 at every ``min_size``: the per-tensor sums are kept)."""
+    alignment, aligned = _alignment(a, b)
+    steps = []
+    if aligned:
+        for i in range(a.num_steps):
+            steps.append(StepDigest(scalar={g: metric(g, a, b, i).value for g in ("N1", "N2", "N6")},
+                                    grad_sums=_grad_sums(a.steps[i], b.steps[i]),
+                                    identical={g: bit_identical(g, a, b, i) for g in GATES}))
+    return PairDigest(num_steps=a.num_steps, own=(tuple(_own_problems(a)), tuple(_own_problems(b))),
+                      alignment=tuple(alignment), aligned=aligned, steps=tuple(steps))
 
 
 # ---------------------------------------------------------------------------------------------------------------- gates
@@ -282,15 +376,30 @@ def evaluate(
     """Every gate at every step; returns (results, precondition violations). A violation fails every result."""
     if contract not in CONTRACTS:
         raise ValueError(f"evaluate: contract={contract!r} must be one of {CONTRACTS}")
-    problems = preconditions({"candidate": candidate, "control": control, "reference": reference})
-    shape_ok = not any(("steps" in p or "parameter tensors" in p or "masks" in p) for p in problems)
+    return evaluate_digests(pair_digest(candidate, control), pair_digest(candidate, reference),
+                            pair_digest(control, reference), contract, tolerances)
+
+
+def evaluate_digests(
+    candidate_control: PairDigest, candidate_reference: PairDigest, control_reference: PairDigest, contract: str,
+    tolerances: Tolerances,
+) -> tuple[list[GateResult], list[str]]:
+    """``evaluate`` from the three pairs' digests (``pair_digest(candidate, control)``, ``(candidate, reference)``,
+    ``(control, reference)``): the same results and violations, in the same order."""
+    if contract not in CONTRACTS:
+        raise ValueError(f"evaluate: contract={contract!r} must be one of {CONTRACTS}")
+    cc, cr, kr = candidate_control, candidate_reference, control_reference
+    problems = (_named(cc.own[0], label="candidate") + _named(cc.own[1], label="control")
+                + _named(cr.own[1], label="reference") + _named(cc.alignment, a="candidate", b="control")
+                + _named(cr.alignment, a="candidate", b="reference"))
+    shape_ok = cc.aligned and cr.aligned and kr.aligned
     results = []
     min_size = tolerances.min_size.get("N5", 1)
-    for i in range(control.num_steps):
-        if shape_ok:  # each pair's six metrics at this step, N3-N5 from one pass over the two gradients
-            m_cc = metrics(candidate, control, i, min_size=min_size)
-            m_cr = metrics(candidate, reference, i, min_size=min_size)
-            m_kr = metrics(control, reference, i, min_size=min_size)
+    for i in range(kr.num_steps):
+        if shape_ok:  # each pair's six metrics at this step
+            m_cc = cc.metrics(i, min_size=min_size)
+            m_cr = cr.metrics(i, min_size=min_size)
+            m_kr = kr.metrics(i, min_size=min_size)
         for gate in GATES:
             tol = tolerances.tol_at(gate, i + 1)  # the floor
             if not shape_ok:
@@ -299,15 +408,15 @@ def evaluate(
                 continue
             vc = m_cc[gate]
             vr = m_cr[gate].value
-            cr = m_kr[gate].value
-            bound_ref = reference_bound(tol, tolerances.slack[gate], cr)
+            cr_value = m_kr[gate].value
+            bound_ref = reference_bound(tol, tolerances.slack[gate], cr_value)
             ident = None
             if contract == "exact":
-                ident = bit_identical(gate, candidate, control, i)
+                ident = cc.steps[i].identical[gate]
                 ok_c = ident and vc.value == 0.0
                 bound_c = 0.0
             else:
-                bound_c = control_bound(tol, cr)
+                bound_c = control_bound(tol, cr_value)
                 ok_c = vc.value <= bound_c
             ok_r = vr <= bound_ref
             note = ""
@@ -317,7 +426,7 @@ def evaluate(
             elif contract == "exact" and not ident:
                 note = "not bit-identical"
             note = "; ".join(x for x in (note, vc.note) if x)
-            env = environment_note(gate, i + 1, cr, tolerances.live_range_at(gate, i + 1))
-            results.append(GateResult(gate, i + 1, vc.value, vr, cr, bound_c, bound_ref, ident, bool(ok_c), bool(ok_r),
-                                      vc.worst_tensor, note, env))
+            env = environment_note(gate, i + 1, cr_value, tolerances.live_range_at(gate, i + 1))
+            results.append(GateResult(gate, i + 1, vc.value, vr, cr_value, bound_c, bound_ref, ident, bool(ok_c),
+                                      bool(ok_r), vc.worst_tensor, note, env))
     return results, problems

@@ -5,13 +5,19 @@
   check; the worst part of each cell), forward and backward side by side, on a log color scale; cells over either of
   their bounds (and, for an exact check, not bit-identical) are marked ``x``.
 - ``gate_curves(check, path)``: per gate, the metric against the control and against the float32 reference over the
-  steps, with the bounds they are held to.
+  steps, with the bounds they are held to. A picture already at ``path`` that was drawn from the same numbers by the
+  same code (its PNG text chunk ``nxgates-key``: the sha256 of the plotted values, this module's source and
+  matplotlib's version) is kept as it is: a rerun whose results did not change draws nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import pathlib
+
+KEY_FIELD = "nxgates-key"  # the PNG text chunk naming what a picture was drawn from
 
 
 def _pyplot():
@@ -25,15 +31,39 @@ def _pyplot():
     return plt
 
 
-def _save(fig, plt, path) -> pathlib.Path:
+def _save(fig, plt, path, key: str | None = None) -> pathlib.Path:
     from nxgates.gates import atomic
 
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {KEY_FIELD: key} if key else None
     try:
-        return atomic.write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
+        return atomic.write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight",
+                                                               metadata=metadata))
     finally:
         plt.close(fig)
+
+
+def picture_key(values) -> str:
+    """The sha256 of what a picture shows (``values``, JSON-able), of this module's source and of matplotlib's
+    version."""
+    import matplotlib
+
+    h = hashlib.sha256(pathlib.Path(__file__).read_bytes())
+    h.update(matplotlib.__version__.encode())
+    h.update(json.dumps(values, sort_keys=True, default=repr).encode())
+    return h.hexdigest()
+
+
+def drawn_from(path) -> str | None:
+    """The ``nxgates-key`` of the PNG at ``path`` (None: no file, not a PNG, no key)."""
+    try:
+        from PIL import Image
+
+        with Image.open(path) as im:
+            return (getattr(im, "text", None) or {}).get(KEY_FIELD)
+    except (OSError, ValueError, ImportError, SyntaxError):
+        return None
 
 
 def explain_heatmap(ex, path) -> pathlib.Path | None:
@@ -80,6 +110,11 @@ def gate_curves(check, path) -> pathlib.Path | None:
 
     from nxgates.gates import gates as gates_lib
 
+    fields = ("gate", "step", "vs_control", "vs_reference", "bound_control", "bound_reference", "passed")
+    key = picture_key({"check": check.spec.name, "passed": check.passed,
+                       "results": [[repr(getattr(r, f)) for f in fields] for r in check.results]})
+    if drawn_from(path) == key:
+        return pathlib.Path(path)
     gates = list(dict.fromkeys(r.gate for r in check.results))
     fig, axes = plt.subplots(1, len(gates), figsize=(2.6 * len(gates), 2.6), squeeze=False)
     for ax, gate in zip(axes[0], gates, strict=True):
@@ -113,7 +148,7 @@ def gate_curves(check, path) -> pathlib.Path | None:
     axes[0][0].legend(fontsize=6)
     fig.suptitle(f"check {check.spec.name}: {'PASS' if check.passed else 'FAIL'}", fontsize=9)
     fig.tight_layout()
-    return _save(fig, plt, path)
+    return _save(fig, plt, path, key)
 
 
 def _slug(name: str) -> str:

@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+import jax
+
 from nxgates.gates import protocol
 from nxgates.gates import record as record_lib
 from nxgates.gates.profile import active_compilation_cache_dir, use_compilation_cache_dir
@@ -91,9 +93,11 @@ def load_api_factory(spec: str):
 def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str,
                   api_factory: str = DEFAULT_API_FACTORY, xla_dir: str | None = None,
                   precision: str = "production") -> tuple[str, dict]:
-    """Worker process: one record into the cache (``overrides=None``: the float32 reference; else the control with
-    ``overrides`` at ``precision``, "production" or the float32 lens's "lens"), replaying the control's routing read
-    from the cache (once per worker process). Returns how the record was obtained and its ``gates.profile.row``.
+    """Worker process: one record into the cache (``overrides=None``: the float32 reference; ``{}``: the control at
+    ``precision``, the float32 lens's control; else the candidate, the control with ``overrides`` at ``precision``,
+    "production" or "lens", kept as its digests against its control and the reference, ``gates.candidates``),
+    replaying the control's routing read from the cache (once per worker process). A record another worker is
+    computing is waited for (``RecordCache.lock``). Returns how it was obtained and its ``gates.profile.row``.
     ``xla_dir``: the parent's persistent compilation cache (a spawned process starts without it)."""
     key = (config, tuple(sorted(settings.items())), cache_dir, api_factory)
     if key not in _WORKER:
@@ -105,19 +109,27 @@ def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides:
         _WORKER[key] = (r, control_routing(control))
     r, replay = _WORKER[key]
     r.progress = lambda m: stderr(f"  [{label}] {m.split('] ', 1)[-1]}")
-    flags, precision = (r.base_flags, "reference") if overrides is None else (r.flags_from(overrides), precision)
-    how = r.shared_record(flags, precision, label, replay)[1]
-    # The record is on disk now; keep only the control in this process's memory (a record is ~140 MB on tiny).
-    r._records.pop(record_lib.key_digest(r.key_parts(flags, precision, replay)), None)
+    if overrides is None:
+        how = r.shared_record(r.base_flags, "reference", label, replay)[1]
+    elif not overrides:  # the control at another precision (the float32 lens's control)
+        how = r.shared_record(r.base_flags, precision, label, replay)[1]
+    else:  # a candidate: its digests against the control and the reference (read, or waited for, from the cache)
+        how = r.candidate_summary(r.flags_from(overrides), precision, label, replay)[1]
+    # This process keeps the control, the reference and the lens's control (every candidate reads them); a candidate
+    # is kept as its digests only. Its programs are dropped: jax's in-memory caches keep every executable and trace
+    # of the run otherwise (a worker grew to 3.3 GB over 12 records on tiny); the next record reads the shared
+    # programs (the optimizer's, the summaries') back from the persistent compilation cache.
+    jax.clear_caches()
     return how, r.profile[-1]
 
 
 def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_factory: str | None = None) -> None:
-    """Compute the control here, then the reference and every candidate of ``specs`` in ``jobs`` worker processes,
-    into the record cache (compilation is single-threaded, so two processes on two cores roughly halve the wall time).
-    Only the candidates with a config's default control are prefetched; a worker's failure is reported and the check
-    computes the record itself later. ``api_factory``: "module:function" the workers call to build the model API
-    (default: the real model's). How each record was obtained goes to ``runner.prefetched``."""
+    """Compute the control here, then the reference, the lens's control and every candidate of ``specs`` (in that
+    order: a candidate's digests read the first two) in ``jobs`` worker processes, into the record cache (compilation
+    is single-threaded, so two processes on two cores roughly halve the wall time). Only the candidates with a
+    config's default control are prefetched; a worker's failure is reported and the check computes the record itself
+    later. ``api_factory``: "module:function" the workers call to build the model API (default: the real model's).
+    How each record was obtained goes to ``runner.prefetched``."""
     api_factory = api_factory or DEFAULT_API_FACTORY
     runner.shared_record(runner.base_flags, "production", "control (before the checks)")
     control = runner.base_control()[0]

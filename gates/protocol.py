@@ -194,6 +194,7 @@ def run_protocol(
     lookup: Callable[[str], record_lib.RunRecord | None] | None = None,
     sketch: SketchSpec | None = None,
     recorder: recorder_lib.Recorder | None = None,
+    summaries: bool = True,
 ) -> record_lib.RunRecord:
     """Run ``settings.steps`` optimizer steps of the RL loss and record every step.
 
@@ -214,8 +215,9 @@ def run_protocol(
     Summaries (docs/records.md): after every step a third program computes, on the sharded device arrays, the
     gradient and update sketches (``sketch``: width and seed, default ``DEFAULT_SKETCH``), the bit fingerprints and
     the per-tensor gradient norms (``gates.recorder.summaries``), kept in ``StepRecord.summaries``; it reads the step's
-    outputs only, so the first two programs are the same with or without it. ``recorder``: also write each step to
-    that run directory as it ends (the record format; full tensors when the recorder has ``full_tensors``).
+    outputs only, so the first two programs are the same with or without it. ``summaries=False``: none (a record that
+    is only digested and never stored, a check's candidate: ``gates.candidates``). ``recorder``: also write each step
+    to that run directory as it ends (the record format; full tensors when the recorder has ``full_tensors``).
     """
     tokens = jnp.asarray(batch.tokens)
     mask = jnp.asarray(batch.completion_mask)
@@ -300,8 +302,10 @@ def run_protocol(
         if found is not None:
             return found
     programs["grad"] = _compile(lowered, phases)
+    if recorder is not None and not summaries:
+        raise ValueError("run_protocol: a recorder writes the summaries; summaries=False cannot go with it")
     sketch = DEFAULT_SKETCH if sketch is None else sketch
-    summarize = recorder_lib.jitted_summaries(sketch.width, sketch.seed)
+    summarize = recorder_lib.jitted_summaries(sketch.width, sketch.seed) if summaries else (lambda *a, **k: {})
     ts = time.perf_counter()
     summaries0 = _host(summarize(None, params))
     phases["summaries_s"] = time.perf_counter() - ts

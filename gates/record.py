@@ -24,19 +24,26 @@ and recomputed, before anything in it is parsed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import pathlib
 import shutil
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from nxgates.gates import atomic, records
 from nxgates.gates.sketch import SketchSpec, is_exact
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no cross-process lock (RecordCache.lock)
+    fcntl = None
 
 FORMAT_VERSION = 3  # 2: per-step routing (the experts used) and routing_mismatch; 3: the record format of gates.records
 ENTRY_CHECKSUM = "entry.sha256.json"  # a cache entry's checksum of every file in it (written last)
@@ -245,6 +252,10 @@ def verify_entry(d: pathlib.Path) -> None:
                                                              else ""))
 
 
+_HELD: dict[int, dict[str, bool]] = {}  # per process: the cache locks it holds (RecordCache.lock)
+_HELD_GUARD = threading.Lock()
+
+
 class RecordCache:
     """Records on disk under ``root`` (default ``$NXGATES_CACHE`` or ``.cache/gates``), keyed by their key parts: one
     run directory per record."""
@@ -255,6 +266,31 @@ class RecordCache:
 
     def path(self, key_parts: Mapping[str, Any]) -> pathlib.Path:
         return self.root / key_digest(key_parts)
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """Hold ``<root>/locks/<name>.lock`` exclusively (``fcntl.flock``; no-op where there is none): two processes
+        that need the same record (a run's prefetch workers, two runs on one cache) compute it once, the second
+        waiting and then reading it. The kernel drops the lock of a process that dies. Re-entrant in a process."""
+        held = _HELD.setdefault(os.getpid(), {})
+        key = str(self.root / "locks" / f"{name}.lock")
+        with _HELD_GUARD:
+            outer = key not in held
+        if not outer or fcntl is None:
+            yield
+            return
+        path = pathlib.Path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+b") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            with _HELD_GUARD:
+                held[key] = True
+            try:
+                yield
+            finally:
+                with _HELD_GUARD:
+                    held.pop(key, None)
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
     def store(self, key_parts: Mapping[str, Any], rec: RunRecord) -> pathlib.Path:
         d = self.path(key_parts)

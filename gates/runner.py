@@ -3,12 +3,13 @@
 For each check (a ``gates.contracts.CheckSpec``): the control (config flags + the check's control prerequisites,
 production precision) and the float32 reference (same flags, ``precision="reference"``) come from the record cache,
 computed once per (config, control flags) and reused by every candidate; the candidate (control + the check's flags) is
-cached the same way unless a mutant's override or loss is in effect (then always computed fresh); then the six
-gates. A ``rounding`` check also looks through the float32 lens: the control and the candidate again on their own code
-paths with float32 activations and weights (``precision="lens"``), gated against the same float32 reference with the
-``[lens.*]`` tolerances; the check passes only if both lenses pass (an ``exact`` check is bit-identity on the bf16
-path, which the lens cannot tighten). Every flag combination is parsed and validated before anything runs, so a
-refused combination costs no compile.
+cached as its digests against the control and the reference (``gates.candidates``: a few kilobytes, not its record)
+unless a mutant's override or loss is in effect (then always computed fresh); then the six gates. A ``rounding`` check
+also looks through the float32 lens: the control and the candidate again on their own code paths with float32
+activations and weights (``precision="lens"``), gated against the same float32 reference with the ``[lens.*]``
+tolerances; the check passes only if both lenses pass (an ``exact`` check is bit-identity on the bf16 path, which the
+lens cannot tighten). Every flag combination is parsed and validated before anything runs, so a refused combination
+costs no compile.
 
 The model is reached through a ``gates.model_api.ModelAPI``; a record's key is ``gates.provenance.record_key``; a
 whole run (the default checks or ``--flags``, the golden comparison, the report) is ``gates.suite.check``.
@@ -16,6 +17,7 @@ whole run (the default checks or ``--flags``, the golden comparison, the report)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -26,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nxgates.gates import atomic, protocol
+from nxgates.gates import candidates as candidates_lib
 from nxgates.gates import contracts as contracts_lib
 from nxgates.gates import gates as gates_lib
 from nxgates.gates import profile as profile_lib
@@ -161,6 +164,10 @@ class Runner:
         self._records: dict[str, tuple[record_lib.RunRecord, str, str]] = {}
         # key digest -> how a prefetch worker of this run obtained it ("computed", "recomputed: <why>", "cached")
         self.prefetched: dict[str, str] = {}
+        # key digest -> the digest of the record's program key (what a candidate's cache entry is keyed by)
+        self._program_keys: dict[str, str] = {}
+        # (control key digest, reference key digest) -> their PairDigest, computed once per run
+        self._pairs: dict[tuple[str, str], gates_lib.PairDigest] = {}
         self._src_hash = source_hash(self.api.source_dirs, extra=self.api.config_files(config))
         self._inputs_sha256: tuple[str, str] | None = None  # (params0, batch) digests for the program keys
         self.profile: list[dict] = []  # one ``gates.profile.row`` per record obtained (``nxgates run --profile``)
@@ -239,9 +246,10 @@ class Runner:
                           sketch=protocol.DEFAULT_SKETCH.to_json())
 
     def compute(self, flags, precision: str, label: str, *, loss_fn=protocol.grpo_loss,
-                replay=None, lookup=None) -> record_lib.RunRecord:
+                replay=None, lookup=None, summaries: bool = True) -> record_lib.RunRecord:
         """A fresh run of ``flags`` at ``precision``. ``lookup(fn, program_sha256)``: ``run_protocol``'s lookup, given
-        the built model function too (a record it returns is returned instead of compiling and running)."""
+        the built model function too (a record it returns is returned instead of compiling and running).
+        ``summaries=False``: without the sketches (a candidate, kept as its digests only)."""
         self.progress(f"[{time.perf_counter() - self.t0:7.1f}s] {label}: tracing + compiling ({precision})")
         mesh = self.api.make_mesh(flags)
         fn = self.api.build_log_probs(self.cfg, flags, precision=precision, mesh=mesh)
@@ -260,7 +268,8 @@ class Runner:
             meta["routing_replay_sha256"] = routing_digest(replay)
         rec = protocol.run_protocol(fn, params, self.batch, self.settings, metadata=meta, loss_fn=loss_fn,
                                     progress=progress, label=label, replay=replay,
-                                    lookup=None if lookup is None else functools.partial(lookup, fn))
+                                    lookup=None if lookup is None else functools.partial(lookup, fn),
+                                    summaries=summaries)
         rec.metadata["implementations"] = dict(self.api.implementations(fn))
         rec.metadata["run_s"] = round(time.perf_counter() - t, 3)
         return rec
@@ -277,7 +286,8 @@ class Runner:
             return rec, f"{how}; shared: first obtained for {first}"
         t, c = time.perf_counter(), time.process_time()
         if self.use_cache:
-            rec, how = self._cached_or_computed(k, flags, precision, label, replay)
+            with self.cache.lock(k):  # another process computing it: wait, then read it
+                rec, how = self._cached_or_computed(k, flags, precision, label, replay)
             if how == "cached" and k in self.prefetched:  # a worker of this run put it there: say how it got it
                 how = f"{self.prefetched[k]} (by a prefetch worker of this run)"
         else:
@@ -317,6 +327,7 @@ class Runner:
             try:
                 rec = self.cache.load(program_parts)
                 self.progress(f"{label}: cached (record {record_lib.key_digest(program_parts)})")
+                self._program_keys[digest] = record_lib.key_digest(program_parts)
                 return rec, "cached"
             except FileNotFoundError:
                 pass
@@ -346,6 +357,7 @@ class Runner:
             how = found.get("how", how)
             self.cache.store(found["parts"], rec)
         atomic.write_json_atomic(alias, {"program_key": found["parts"]})
+        self._program_keys[digest] = record_lib.key_digest(found["parts"])
         return rec, how
 
     def _profile(self, label: str, obtained: tuple[record_lib.RunRecord, str], t: float, c: float) -> None:
@@ -367,19 +379,22 @@ class Runner:
         # Routing replay: the reference and the candidate take the control's expert choices at every step.
         replay = control_routing(control)
         reference, how_r = self.shared_record(control_flags, "reference", f"reference[{spec.name}]", replay)
-        label = f"candidate[{spec.name}]"
-        candidate, how_cand = self._candidate(candidate_flags, "production", label, candidate_loss_fn,
-                                              candidate_context, replay)
-        results, problems = gates_lib.evaluate(candidate, control, reference, spec.contract, self.tolerances)
+        candidate, how_cand = self._candidate(candidate_flags, "production", f"candidate[{spec.name}]",
+                                              candidate_loss_fn, candidate_context, replay,
+                                              (control_flags, "production"), control_flags)
+        results, problems = gates_lib.evaluate_digests(
+            candidate.vs_control, candidate.vs_reference,
+            self._pair(control_flags, "production", control_flags, replay), spec.contract, self.tolerances)
         lens_results, lens_problems = None, []
         if (self.lens if lens is None else lens) and spec.contract == "rounding":
-            lens_control, how_lc = self.shared_record(control_flags, "lens", f"control-lens[{spec.name}]", replay)
+            _, how_lc = self.shared_record(control_flags, "lens", f"control-lens[{spec.name}]", replay)
             lens_candidate, how_lk = self._candidate(candidate_flags, "lens", f"candidate-lens[{spec.name}]",
-                                                     candidate_loss_fn, candidate_context, replay)
-            lens_results, lens_problems = gates_lib.evaluate(lens_candidate, lens_control, reference, spec.contract,
-                                                             self.lens_tolerances)
+                                                     candidate_loss_fn, candidate_context, replay,
+                                                     (control_flags, "lens"), control_flags)
+            lens_results, lens_problems = gates_lib.evaluate_digests(
+                lens_candidate.vs_control, lens_candidate.vs_reference,
+                self._pair(control_flags, "lens", control_flags, replay), spec.contract, self.lens_tolerances)
             how_cand = {"candidate": how_cand, "control-lens": how_lc, "candidate-lens": how_lk}
-        self._forget_candidate(control_flags, candidate_flags, replay)
         return CheckResult(
             spec=spec,
             control_flags=spec.control_overrides,
@@ -393,38 +408,129 @@ class Runner:
                      **(how_cand if isinstance(how_cand, dict) else {"candidate": how_cand})},
             wall_s=round(time.perf_counter() - t, 2),
             routing_mismatch={} if replay is None else {
-                "candidate": [s.routing_mismatch for s in candidate.steps],
+                "candidate": list(candidate.routing_mismatch),
                 "reference": [s.routing_mismatch for s in reference.steps]},
             lens_results=lens_results,
             lens_problems=lens_problems,
         )
 
-    def _forget_candidate(self, control_flags, candidate_flags, replay) -> None:
-        """Drop a check's candidate records from this process's memory once its gates are computed: a candidate is
-        read by its own check only (another check with the same flags reads it from the disk cache), while the
-        control, the reference and the lens's control stay for every check (a record is ~140 MB on tiny: keeping
-        every candidate held 2.2 GB at the end of a default run)."""
-        if self.api.as_dict(candidate_flags) == self.api.as_dict(control_flags):
-            return
-        for precision in ("production", "lens"):
-            self._records.pop(record_lib.key_digest(self.key_parts(candidate_flags, precision, replay)), None)
+    def _pair(self, flags_a, precision_a: str, control_flags, replay) -> gates_lib.PairDigest:
+        """The digest of (the record of ``flags_a`` at ``precision_a``, the reference of ``control_flags``), once
+        per run: the control's (or the lens's control's) distance to the reference, shared by every check."""
+        ka = record_lib.key_digest(self.key_parts(flags_a, precision_a, replay if precision_a != "production"
+                                                  else None))
+        kr = record_lib.key_digest(self.key_parts(control_flags, "reference", replay))
+        if (ka, kr) not in self._pairs:
+            a = self._records[ka][0]
+            r = self._records[kr][0]
+            self._pairs[(ka, kr)] = gates_lib.pair_digest(a, r)
+        return self._pairs[(ka, kr)]
 
-    def _candidate(self, flags, precision: str, label: str, loss_fn, context, replay):
-        """The candidate's record at ``precision``: a plain candidate is determined by its key like the control, so
-        cached too (re-running a check after a tolerance edit costs no model run); a mutated one (override, loss) never
-        goes near the cache, and ``context`` is entered around its trace alone."""
-        if context is None and loss_fn is protocol.grpo_loss:
-            return self.shared_record(flags, precision, label, replay)
+    def candidate_summary(self, flags, precision: str, label: str, replay, control_flags=None):
+        """(``gates.candidates.CandidateSummary``, how) of the plain candidate ``flags`` at ``precision``
+        ("production" or the lens's "lens"), against its control (``control_flags``, default the config's, at the
+        same precision) and the float32 reference, through the cache. A prefetch worker calls it."""
+        control_flags = self.base_flags if control_flags is None else control_flags
+        return self._candidate(flags, precision, label, protocol.grpo_loss, None, replay, (control_flags, precision),
+                               control_flags)
+
+    def _candidate(self, flags, precision: str, label: str, loss_fn, context, replay, control, control_flags):
+        """The candidate's ``CandidateSummary`` at ``precision`` against ``control`` ((flags, precision)) and the
+        reference of ``control_flags``: a plain candidate is determined by its key like the control, so it is cached
+        (as its digests: re-running a check after a tolerance edit costs no model run); a mutated one (override, loss)
+        never goes near the cache, and ``context`` is entered around its trace alone."""
+        ctrl_replay = replay if control[1] != "production" else None
+        ctrl_rec, _ = self.shared_record(control[0], control[1], f"control ({label})", ctrl_replay)
+        ref_rec, _ = self.shared_record(control_flags, "reference", f"reference ({label})", replay)
+        if context is None and loss_fn is protocol.grpo_loss and self.use_cache:
+            k = record_lib.key_digest(self.key_parts(flags, precision, replay))
+            kc = record_lib.key_digest(self.key_parts(control[0], control[1], ctrl_replay))
+            kr = record_lib.key_digest(self.key_parts(control_flags, "reference", replay))
+            t, c = time.perf_counter(), time.process_time()
+            with self.cache.lock(k):  # another process computing it: wait, then read it
+                summary, how = self._cached_candidate(k, flags, precision, label, replay, ctrl_rec, ref_rec,
+                                                      self._program_keys.get(kc), self._program_keys.get(kr))
+            if how == "cached" and k in self.prefetched:  # a worker of this run put it there: say how it got it
+                how = f"{self.prefetched[k]} (by a prefetch worker of this run)"
+            self.profile.append(profile_lib.row(label, how, summary.metadata, time.perf_counter() - t,
+                                                time.process_time() - c))
+            return summary, how
         tc = time.perf_counter(), time.process_time()
-        if context is None:
-            obtained = self.compute(flags, precision, label, loss_fn=loss_fn, replay=replay), "computed"
+        if context is not None and not hasattr(context, "__enter__"):
+            context = context()  # a factory: a fresh context for each trace (the bf16 candidate, then the lens)
+        with context if context is not None else contextlib.nullcontext():
+            rec = self.compute(flags, precision, label, loss_fn=loss_fn, replay=replay, summaries=False)
+        self._profile(label, (rec, "computed"), *tc)
+        return candidates_lib.CandidateSummary.of(rec, ctrl_rec, ref_rec), "computed"
+
+    def _cached_candidate(self, digest: str, flags, precision: str, label: str, replay, control, reference,
+                          control_program: str | None, reference_program: str | None):
+        """(summary, how) of a plain candidate through the cache: ``by-source/<digest>.json`` names its program key
+        (as for a record, ``_cached_or_computed``); its entry is keyed by that and the control's and the reference's
+        program keys (``gates.candidates.entry_key``). After an edit that changes no program, the lowered program
+        finds the entry (one trace and lowering, no compile, no run). A control or reference obtained without the
+        cache (``--no-cache``) has no program key: the candidate is then computed and not stored."""
+        root = self.cache.root
+        how = "computed"
+
+        def entry(program_parts):
+            return candidates_lib.entry_key(record_lib.key_digest(program_parts), control_program, reference_program)
+
+        keyed = control_program is not None and reference_program is not None
+        alias = self._alias_path(digest)
+        try:
+            program_parts = json.loads(alias.read_text())["program_key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            program_parts = None
+        if keyed and program_parts is not None:
+            try:
+                summary = candidates_lib.load(root, entry(program_parts))
+                self.progress(f"{label}: cached (candidate {record_lib.key_digest(entry(program_parts))})")
+                return summary, "cached"
+            except FileNotFoundError:
+                pass
+            except record_lib.CacheEntryInvalid as e:
+                how = f"recomputed: {e}"
+                self.progress(f"{label}: cache entry rejected, recomputing: {e}")
+        found: dict = {}
+
+        def lookup(fn, program_sha256):
+            found["parts"] = parts = self.program_key_parts(fn, program_sha256, flags, precision, replay)
+            if not keyed:
+                return None
+            try:
+                summary = candidates_lib.load(root, entry(parts))
+                found["hit"] = summary
+                self.progress(f"{label}: cached, the same program (candidate {record_lib.key_digest(entry(parts))})")
+                return summary
+            except FileNotFoundError:
+                pass
+            except record_lib.CacheEntryInvalid as e:
+                found["how"] = f"recomputed: {e}"
+                self.progress(f"{label}: cache entry rejected, recomputing: {e}")
+                return None
+            try:  # the candidate's full record, where one is stored (``calibrate`` keeps its candidates' records)
+                rec = self.cache.load(parts)
+            except (FileNotFoundError, record_lib.CacheEntryInvalid):
+                return None
+            found["record"] = True
+            self.progress(f"{label}: read from its cached record (record {record_lib.key_digest(parts)})")
+            return rec
+
+        rec = self.compute(flags, precision, label, replay=replay, lookup=lookup, summaries=False)
+        if "hit" in found:
+            summary, how = found["hit"], "cached (the same program and inputs)"
+        elif "record" in found:
+            summary, how = candidates_lib.CandidateSummary.of(rec, control, reference), "cached (its full record)"
+            candidates_lib.store(root, entry(found["parts"]), summary)
         else:
-            if not hasattr(context, "__enter__"):
-                context = context()  # a factory: a fresh context for each trace (the bf16 candidate, then the lens)
-            with context:
-                obtained = self.compute(flags, precision, label, loss_fn=loss_fn, replay=replay), "computed"
-        self._profile(label, obtained, *tc)
-        return obtained
+            how = found.get("how", how)
+            summary = candidates_lib.CandidateSummary.of(rec, control, reference)
+            if keyed:
+                candidates_lib.store(root, entry(found["parts"]), summary)
+        if keyed:
+            atomic.write_json_atomic(alias, {"program_key": found["parts"]})
+        return summary, how
 
     def base_control(self) -> tuple[record_lib.RunRecord, str] | None:
         """The config's own control if this runner has it (for the golden comparison)."""

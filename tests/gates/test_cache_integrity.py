@@ -91,18 +91,23 @@ def test_every_byte_of_the_metadata_and_sidecars_is_covered(entry):
 
 
 def test_the_issue_case_through_the_cli(tmp_path, capsys):
-    """num_steps edited in every entry and a candidate's last step deleted: the next run recomputes them and passes
-    (before: every gate FAILed, exit 1, on every rerun; num_steps=1 everywhere: a traceback)."""
+    """num_steps edited in every entry (the records' metadata, the candidate's digests) and a record's last step
+    deleted: the next run recomputes them and passes (before: every gate FAILed, exit 1, on every rerun; num_steps=1
+    everywhere: a traceback)."""
     argv = ["run", "--config", "toy", "--jobs", "1", "--flags", "fp8_fake_quant_hoist=gather8", "--out",
             str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")]
     assert cli.main(argv, api=toy_model.api()) == 0
-    # the record entries (not the by-source names, gates.runner, nor compiled programs, gates.profile)
-    entries = sorted(p for p in (tmp_path / "cache").iterdir() if p.is_dir() and p.name not in ("by-source", "xla"))
-    assert len(entries) == 3
+    # the record entries (not the by-source names, gates.runner, the locks, the candidates' digests, gates.candidates,
+    # nor compiled programs, gates.profile)
+    entries = sorted(p for p in (tmp_path / "cache").iterdir()
+                     if p.is_dir() and p.name not in ("by-source", "xla", "locks", "candidates"))
+    assert len(entries) == 2
     for d in entries:
         _edit_json(d / "meta.json", lambda m: m["extra"]["metadata"].update({"num_steps": 1}))
     for e in ("npz", "json"):
         (entries[0] / "steps" / f"000003.{e}").unlink()
+    (candidate,) = (tmp_path / "cache" / "candidates").iterdir()
+    _edit_json(candidate, lambda m: m["body"]["vs_control"].update({"num_steps": 1}))
     capsys.readouterr()
     code = cli.main(argv, api=toy_model.api())
     err = capsys.readouterr().err
