@@ -562,7 +562,12 @@ def _mutant_in_worker(config: str, name: str, cache_dir: str | None, xla_dir: st
     if xla_dir is not None:
         use_compilation_cache_dir(xla_dir)
     progress = lambda m: print(f"  [{name}] {m}", file=sys.stderr, flush=True)  # noqa: E731
-    return to_json(run_mutants(config, only=[name], cache_dir=cache_dir, progress=progress, lens=lens))[0]
+    try:
+        return to_json(run_mutants(config, only=[name], cache_dir=cache_dir, progress=progress, lens=lens))[0]
+    finally:
+        import jax
+
+        jax.clear_caches()  # the next mutant in this process compiles its own programs; keep none of this one's
 
 
 def run_mutants_in_workers(config: str, jobs: int, *, only=None, cache_dir=None, progress=None,

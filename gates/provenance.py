@@ -223,9 +223,11 @@ def arrays_digest(arrays: Mapping[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
+@functools.cache
 def protocol_source_hash() -> str:
     """sha256 of the protocol's sources (``SOURCE_FILES``: the optimizer's program, the host-side recording and the
-    summaries)."""
+    summaries), read once per process: the code this process runs is the code it imported, and every record key it
+    makes names the same sources even if a file is edited while it runs."""
     return source_hash(dirs=(), files=SOURCE_FILES)
 
 
