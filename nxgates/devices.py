@@ -1,9 +1,16 @@
-"""The one place nxgates sets XLA's host-device flag (before jax is imported).
+"""The one place nxgates sets XLA's host-device flag and OpenBLAS's thread count (before jax is imported).
 
 The default mesh ``("fsdp", "context", "expert") = 2 x 2 x 2`` needs 8 devices. On a machine without accelerators,
 XLA provides them as host CPU devices when ``--xla_force_host_platform_device_count=8`` is in ``XLA_FLAGS`` before jax
 initializes its backend. The CLI entry, the test harness and the library's ``check`` call ``use_host_devices``;
 nothing else touches ``XLA_FLAGS``.
+
+XLA's CPU backend runs triangular solves (the GDN chunk scan's ``solve_triangular``, forward and backward) as the
+``lapack_strsm_ffi`` custom call, which calls scipy's OpenBLAS. OpenBLAS starts one thread per core and those threads
+spin between calls, competing with XLA's own thread pool for the same cores: on the 2-core CI machine a quarter of all
+CPU samples of the tiny control's gradient program were OpenBLAS threads waiting. Those solves are small (a chunk of
+64 rows), so one BLAS thread loses nothing; ``use_host_devices`` sets ``OPENBLAS_NUM_THREADS=1`` unless the
+environment already chose a value. The thread count changes no bit of the output (``tests/test_devices.py`` checks it).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import sys
 
 HOST_DEVICE_COUNT = 8
 _FLAG = "--xla_force_host_platform_device_count"
+BLAS_THREADS_VAR = "OPENBLAS_NUM_THREADS"
 
 
 def host_device_flag(count: int = HOST_DEVICE_COUNT) -> str:
@@ -20,7 +28,8 @@ def host_device_flag(count: int = HOST_DEVICE_COUNT) -> str:
 
 
 def use_host_devices(count: int = HOST_DEVICE_COUNT) -> None:
-    """Ask XLA for ``count`` host CPU devices and select the CPU platform; must run before jax is imported.
+    """Ask XLA for ``count`` host CPU devices, select the CPU platform and give OpenBLAS one thread unless the
+    environment set ``OPENBLAS_NUM_THREADS``; must run before jax is imported (OpenBLAS reads it when it loads).
 
     Raises ``RuntimeError`` naming the fix when jax was already imported with fewer devices (the flag would be
     ignored silently otherwise)."""
@@ -29,6 +38,7 @@ def use_host_devices(count: int = HOST_DEVICE_COUNT) -> None:
         flags = [f for f in flags if not f.startswith(_FLAG + "=")]
         os.environ["XLA_FLAGS"] = " ".join([*flags, host_device_flag(count)])
     os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault(BLAS_THREADS_VAR, "1")
     if "jax" in sys.modules:  # imported already: the flag counts only if its backend was not initialized yet
         import jax
 
