@@ -6,11 +6,13 @@ initializes its backend. The CLI entry, the test harness and the library's ``che
 nothing else touches ``XLA_FLAGS``.
 
 XLA's CPU backend runs triangular solves (the GDN chunk scan's ``solve_triangular``, forward and backward) as the
-``lapack_strsm_ffi`` custom call, which calls scipy's OpenBLAS. OpenBLAS starts one thread per core and those threads
-spin between calls, competing with XLA's own thread pool for the same cores: on the 2-core CI machine a quarter of all
-CPU samples of the tiny control's gradient program were OpenBLAS threads waiting. Those solves are small (a chunk of
-64 rows), so one BLAS thread loses nothing; ``use_host_devices`` sets ``OPENBLAS_NUM_THREADS=1`` unless the
-environment already chose a value. The thread count changes no bit of the output (``tests/test_devices.py`` checks it).
+``lapack_strsm_ffi`` custom call, which calls scipy's OpenBLAS. OpenBLAS starts one thread per core, and its threads
+wait for work by spinning, on the cores XLA's own thread pool runs on. The solves are small (one chunk of 64 rows), so
+a second BLAS thread buys nothing and its spinning costs: on a 2-core machine the GDN scan's forward and backward
+(float32, b2 t2048 h4 d64) ran in 0.14-0.17 s with OpenBLAS's default of 2 threads and in 0.10-0.11 s with one, and a
+one-flag gates run on tiny took 170 s against 125-137 s (docs/speed.md). So ``use_host_devices`` sets
+``OPENBLAS_NUM_THREADS=1`` unless the environment already chose a value. The thread count changes no bit of the
+output (``tests/test_devices.py``).
 """
 
 from __future__ import annotations
