@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 # Runs the command given as JSON and prints its wall seconds, exit code and the peak RSS of its largest descendant.
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         print(f"error: --rounds={args.rounds} must be >= 1", file=sys.stderr)
         return 2
-    work = pathlib.Path(args.work or f"/tmp/nxgates-targets-{os.getpid()}")
+    work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="nxgates-targets-"))
     work.mkdir(parents=True, exist_ok=True)
     base = ["--config", args.config, "--jobs", str(args.jobs)]
     rows: dict[str, list[dict]] = {c: [] for c in args.cases}
