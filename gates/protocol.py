@@ -25,6 +25,7 @@ The model is reached through a ``ModelAPI`` (the functions of ``model.config`` /
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import time
 import zlib
@@ -212,10 +213,11 @@ def run_protocol(
     returned as is (the caller keys it with the inputs, ``gates.provenance.program_record_key``), else the run goes
     on. ``metadata["program_sha256"]`` keeps the digest.
 
-    Summaries (docs/records.md): after every step a third program computes, on the sharded device arrays, the
+    Summaries (docs/records.md): after every step, small programs compute, on the sharded device arrays, the
     gradient and update sketches (``sketch``: width and seed, default ``DEFAULT_SKETCH``), the bit fingerprints and
-    the per-tensor gradient norms (``gates.recorder.summaries``), kept in ``StepRecord.summaries``; it reads the step's
-    outputs only, so the first two programs are the same with or without it. ``summaries=False``: none (a record that
+    the per-tensor gradient norms (``gates.recorder.summaries_by_tensor``: ``gates.recorder.summaries``'s bits, one
+    program per tensor shape), kept in ``StepRecord.summaries``; they read the step's outputs only, so the first two
+    programs are the same with or without them. ``summaries=False``: none (a record that
     is only digested and never stored, a check's candidate: ``gates.candidates``). ``recorder``: also write each step
     to that run directory as it ends (the record format; full tensors when the recorder has ``full_tensors``).
     """
@@ -305,7 +307,8 @@ def run_protocol(
     if recorder is not None and not summaries:
         raise ValueError("run_protocol: a recorder writes the summaries; summaries=False cannot go with it")
     sketch = DEFAULT_SKETCH if sketch is None else sketch
-    summarize = recorder_lib.jitted_summaries(sketch.width, sketch.seed) if summaries else (lambda *a, **k: {})
+    summarize = (functools.partial(recorder_lib.summaries_by_tensor, width=sketch.width, seed=sketch.seed)
+                 if summaries else (lambda *a, **k: {}))
     ts = time.perf_counter()
     summaries0 = _host(summarize(None, params))
     phases["summaries_s"] = time.perf_counter() - ts

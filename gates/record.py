@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -104,7 +105,7 @@ def ensure_summaries(rec: RunRecord, spec: SketchSpec | None = None) -> SketchSp
     from nxgates.gates import recorder
 
     spec = spec or (SketchSpec.from_json(rec.metadata["sketch"]) if rec.metadata.get("sketch") else SketchSpec())
-    summarize = recorder.jitted_summaries(spec.width, spec.seed)
+    summarize = functools.partial(recorder.summaries_by_tensor, width=spec.width, seed=spec.seed)
     if not rec.summaries0:
         rec.summaries0 = _host(summarize(None, rec.params0))
     prev = rec.params0

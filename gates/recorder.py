@@ -85,6 +85,62 @@ def jitted_summaries(width: int, seed: int):
     return jax.jit(functools.partial(summaries, width=width, seed=seed))
 
 
+@functools.partial(jax.jit, static_argnames=("width",))
+def _grad_summary(g, keys, *, width: int):
+    g32 = jnp.asarray(g).astype(jnp.float32)
+    sketch = sketch_lib.sketch_keyed(g, keys[0], width=width)
+    return sketch, sketch_lib.fingerprint_keyed(g, keys[1:]), jnp.sum(g32 * g32)
+
+
+@functools.partial(jax.jit, static_argnames=("width", "param_sketch"))
+def _param_summary(p, q, keys, *, width: int, param_sketch: bool):
+    out = {"param_fp": sketch_lib.fingerprint_keyed(p, keys[1:])}
+    if param_sketch:
+        out["param_sketch"] = sketch_lib.sketch_keyed(p, keys[0], width=width)
+    if q is not None:
+        delta = jnp.asarray(p).astype(jnp.float32) - jnp.asarray(q).astype(jnp.float32)
+        out["update_sketch"] = sketch_lib.sketch_keyed(delta, keys[0], width=width)
+    return out
+
+
+def summaries_by_tensor(grads=None, params=None, *, prev_params=None, width: int = DEFAULT_WIDTH,
+                        seed: int = 0) -> dict:
+    """``summaries(...)`` under ``jax.jit``, the same arrays bit for bit, computed tensor by tensor outside a step.
+
+    One program per tensor shape, dtype and sharding (a tensor's hash keys are an input, ``sketch.tensor_keys``)
+    instead of one program over every tensor, which XLA is slow to compile: a step's first summaries of tiny's 74
+    tensors took 10.2 to 11.9 s with the one program and 4.3 to 4.6 s by tensor (``benchmarks/summaries_compile.py``,
+    docs/speed.md). For arrays laid out with an explicit sharding, whose sketches go through ``shard_map``, it is
+    ``jitted_summaries`` itself. Not jit-able: it makes one call per tensor.
+    """
+    if prev_params is not None and params is None:
+        raise ValueError("summaries: prev_params given without params (the update is params - prev_params)")
+    sketch_lib._check_width_seed(width, seed)  # the same refusal of a bad width or seed as summaries()
+    trees = [t for t in (grads, params, prev_params) if t is not None]
+    if any(sketch_lib._explicit_sharding(jnp.asarray(x)) is not None for t in trees for x in jax.tree.leaves(t)):
+        return jitted_summaries(width, seed)(grads, params, prev_params=prev_params)
+    groups: dict[str, dict] = {g: {} for g in ("grad_sketch", "grad_fp", "grad_sq", "param_sketch", "param_fp",
+                                               "update_sketch")}
+    if grads is not None:
+        for p, g in sketch_lib.named_leaves(grads).items():
+            sk, fp, sq = _grad_summary(g, sketch_lib.tensor_keys(p, seed), width=width)
+            groups["grad_sketch"][p], groups["grad_fp"][p], groups["grad_sq"][p] = sk, fp, sq
+    if params is not None:
+        named = sketch_lib.named_leaves(params)
+        prev = None
+        if prev_params is not None:
+            if jax.tree.structure(prev_params) != jax.tree.structure(params):
+                raise ValueError("summaries: prev_params and params are not the same tree")
+            prev = sketch_lib.named_leaves(prev_params)
+        for p, x in named.items():
+            out = _param_summary(x, None if prev is None else prev[p], sketch_lib.tensor_keys(p, seed), width=width,
+                                 param_sketch=prev is None)
+            for g, a in out.items():
+                groups[g][p] = a
+    # in the order of the jitted function's output (a dict pytree's keys, sorted)
+    return dict(sorted((f"{g}/{p}", a) for g, by_path in groups.items() for p, a in by_path.items()))
+
+
 def environment() -> tuple[dict, dict]:
     """(versions, device) of this process."""
     import jaxlib

@@ -104,9 +104,17 @@ def tensor_key(path: str, seed: int, salt: int) -> int:
     return _mix_np(_mix_np(seed ^ salt) ^ path_hash(path))
 
 
-def _index_hash(key: int, local_shape: Sequence[int], offsets: Sequence[Any]) -> jax.Array:
-    """uint32 [*local_shape]: a hash of each element's global index (one mixing round per dimension)."""
-    h = jnp.uint32(key)
+def tensor_keys(path: str, seed: int) -> np.ndarray:
+    """uint32 [3]: the keys of the tensor ``path``: its sketch's (with ``seed``), then its fingerprint's two lanes (the
+    inputs of ``sketch_keyed`` and ``fingerprint_keyed``)."""
+    return np.asarray([tensor_key(path, seed, _SKETCH_KEY), *(tensor_key(path, 0, salt) for salt in _LANE_KEYS)],
+                      np.uint32)
+
+
+def _index_hash(key, local_shape: Sequence[int], offsets: Sequence[Any]) -> jax.Array:
+    """uint32 [*local_shape]: a hash of each element's global index (one mixing round per dimension); ``key``: a
+    Python int or a traced uint32 scalar (the same arithmetic)."""
+    h = jnp.uint32(key) if isinstance(key, int) else jnp.asarray(key, jnp.uint32)
     nd = len(local_shape)
     for d, n in enumerate(local_shape):
         shape = [1] * nd
@@ -148,13 +156,28 @@ def sketch_shard(x_local, *, path: str, global_shape: Sequence[int], offsets: Se
     if x_local.ndim == 0:
         x_local = x_local.reshape(1)
         offsets = (0,)
-    h = _index_hash(tensor_key(path, seed, _SKETCH_KEY), x_local.shape, offsets)
+    return _sketch_block(x_local, tensor_key(path, seed, _SKETCH_KEY), offsets, width)
+
+
+def _sketch_block(x_local: jax.Array, key, offsets: Sequence[Any], width: int) -> jax.Array:
+    """The CountSketch of a block at ``offsets`` with the sketch key ``key`` (int or traced uint32)."""
+    h = _index_hash(key, x_local.shape, offsets)
     bucket = ((h & jnp.uint32(0x7FFFFFFF)) % jnp.uint32(width)).astype(jnp.int32)
     sign = 1.0 - 2.0 * (h >> 31).astype(jnp.float32)
     vals = x_local.astype(jnp.float32) * sign
     # No reshape: flattening a sharded block would make the partitioner gather it; a scatter with [*shape] indices is
     # split over the shards (partial sketches, then one all-reduce).
     return jnp.zeros((width,), jnp.float32).at[bucket].add(vals)
+
+
+def sketch_keyed(x, key, *, width: int) -> jax.Array:
+    """``sketch_array(x, path=...)`` with the tensor's sketch key an input (``tensor_keys(path, seed)[0]``) instead of
+    a constant, so that one compiled program serves every tensor of a shape, dtype and sharding. The same arithmetic,
+    so the same bits (``tests/gates/test_recorder.py``). Automatic sharding only (the partitioner splits it)."""
+    x = jnp.asarray(x)
+    if is_exact(x.size, width):
+        return x.astype(jnp.float32).reshape(-1)
+    return _sketch_block(x, key, (0,) * x.ndim, width)
 
 
 def is_exact(numel: int, width: int) -> bool:
@@ -254,12 +277,25 @@ def fingerprint_shard(x_local, *, path: str, offsets: Sequence[Any]) -> jax.Arra
     if len(offsets) != x_local.ndim:
         raise ValueError(f"fingerprint_shard({path!r}): offsets={tuple(offsets)!r} need one entry per dimension of "
                          f"x_local.shape={x_local.shape}")
+    return _fingerprint_block(x_local, [tensor_key(path, 0, salt) for salt in _LANE_KEYS], offsets)
+
+
+def _fingerprint_block(x_local: jax.Array, lane_keys: Sequence[Any], offsets: Sequence[Any]) -> jax.Array:
     bits = _bits32(x_local)
     lanes = []
-    for salt in _LANE_KEYS:
-        h = _index_hash(tensor_key(path, 0, salt), x_local.shape, offsets)
+    for key in lane_keys:
+        h = _index_hash(key, x_local.shape, offsets)
         lanes.append(jnp.sum(mix32(mix32(h ^ bits) + bits * jnp.uint32(_GOLDEN)), dtype=jnp.uint32))
     return jnp.stack(lanes)
+
+
+def fingerprint_keyed(x, lane_keys) -> jax.Array:
+    """``fingerprint_array(x, path=...)`` with the two lane keys an input (``tensor_keys(path, seed)[1:]``), like
+    ``sketch_keyed``."""
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+        x = x.reshape(1)
+    return _fingerprint_block(x, [lane_keys[0], lane_keys[1]], (0,) * x.ndim)
 
 
 def fingerprint_array(x, *, path: str) -> jax.Array:

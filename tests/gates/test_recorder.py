@@ -79,3 +79,56 @@ def test_bad_calls_are_refused(tmp_path):
     rec.close()
     with pytest.raises(ValueError, match="after close"):
         rec.step(loss=np.float32(1))
+
+
+def _sharded_trees(explicit: bool):
+    """(grads, params, prev_params) on a 2x4 mesh of host devices: split and replicated tensors, two of one shape (one
+    program for both: the keys are inputs), bf16, a tensor below the sketch width (kept exactly) and a scalar."""
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    kw = {"axis_types": (AxisType.Explicit,) * 2} if explicit else {}
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("a", "b"), **kw)
+    specs = {"w1": P("a", "b"), "w2": P("a", "b"), "v": P(None, "b"), "h": P("b"), "small": P(), "scale": P()}
+    rng = np.random.default_rng(11)
+
+    def tree(shift):
+        arrays = {"w1": rng.standard_normal((16, 8)), "w2": rng.standard_normal((16, 8)),
+                  "v": rng.standard_normal((6, 24)), "h": rng.standard_normal(96), "small": rng.standard_normal(5),
+                  "scale": np.asarray(1.5 + shift)}
+        out = {}
+        for k, a in arrays.items():
+            dtype = jnp.bfloat16 if k == "v" else jnp.float32
+            out[k] = jax.device_put(jnp.asarray(a + shift, dtype), NamedSharding(mesh, specs[k]))
+        return {"block": {k: out[k] for k in ("w1", "w2", "v")}, "h": out["h"], "small": out["small"],
+                "scale": out["scale"]}
+
+    return tree(0.0), tree(1.0), tree(0.5)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
+def test_summaries_by_tensor_are_the_jitted_summaries_bit_for_bit(explicit):
+    """summaries_by_tensor (one program per tensor shape, the keys as inputs) gives summaries()'s arrays under jit, in
+    its key order, bit for bit: a step's (grads, params, update) and step 0's (params alone); on an explicit mesh it is
+    the jitted function itself. Two tensors of one shape share a program and still get their own sketches."""
+    g, p, q = _sharded_trees(explicit)
+    for args, kw in (((g, p), {"prev_params": q}), ((None, p), {}), ((g, None), {})):
+        want = recorder.jitted_summaries(W, 5)(*args, **kw)
+        got = recorder.summaries_by_tensor(*args, **kw, width=W, seed=5)
+        assert list(got) == list(want)
+        for k in want:
+            a, b = np.asarray(got[k]), np.asarray(want[k])
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), k
+    got = recorder.summaries_by_tensor(g, p, prev_params=q, width=W, seed=5)
+    assert not np.array_equal(got["grad_sketch/block/w1"], got["grad_sketch/block/w2"])
+    assert not np.array_equal(got["grad_fp/block/w1"], got["grad_fp/block/w2"])
+
+
+def test_summaries_by_tensor_refuses_what_summaries_refuses():
+    g, p, q = _tree(0), _tree(1), _tree(2)
+    with pytest.raises(ValueError, match="prev_params given without params"):
+        recorder.summaries_by_tensor(g, prev_params=q, width=W)
+    with pytest.raises(ValueError, match="not the same tree"):
+        recorder.summaries_by_tensor(g, p, prev_params={"big": q["big"]}, width=W)
+    with pytest.raises(ValueError, match="width"):
+        recorder.summaries_by_tensor(g, p, width=0)
