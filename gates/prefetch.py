@@ -26,6 +26,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 from nxgates.gates import protocol
 from nxgates.gates import record as record_lib
@@ -90,24 +91,36 @@ def load_api_factory(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str,
-                  api_factory: str = DEFAULT_API_FACTORY, xla_dir: str | None = None,
-                  precision: str = "production") -> tuple[str, dict]:
-    """Worker process: one record into the cache (``overrides=None``: the float32 reference; ``{}``: the control at
-    ``precision``, the float32 lens's control; else the candidate, the control with ``overrides`` at ``precision``,
-    "production" or "lens", kept as its digests against its control and the reference, ``gates.candidates``),
-    replaying the control's routing read from the cache (once per worker process). A record another worker is
-    computing is waited for (``RecordCache.lock``). Returns how it was obtained and its ``gates.profile.row``.
-    ``xla_dir``: the parent's persistent compilation cache (a spawned process starts without it)."""
+def _worker_runner(config: str, settings: dict, cache_dir: str | None, api_factory: str,
+                   xla_dir: str | None) -> Runner:
+    """In a worker process: its ``Runner`` for this run (built once: jax, the model, the config and the batch)."""
     key = (config, tuple(sorted(settings.items())), cache_dir, api_factory)
     if key not in _WORKER:
         if xla_dir is not None:
             use_compilation_cache_dir(xla_dir)
-        r = Runner(config, api=load_api_factory(api_factory)(), settings=protocol.ProtocolSettings(**settings),
-                   cache=record_lib.RecordCache(cache_dir, log=lambda m: None), progress=None)
-        control, _ = r.shared_record(r.base_flags, "production", "control")
-        _WORKER[key] = (r, control_routing(control))
-    r, replay = _WORKER[key]
+        _WORKER[key] = Runner(config, api=load_api_factory(api_factory)(),
+                              settings=protocol.ProtocolSettings(**settings),
+                              cache=record_lib.RecordCache(cache_dir, log=lambda m: None), progress=None)
+    return _WORKER[key]
+
+
+def _warm_up(config: str, settings: dict, cache_dir: str | None, api_factory: str, xla_dir: str | None) -> int:
+    """Worker process: build the runner (imports, config, batch) while the parent computes the control; its pid."""
+    _worker_runner(config, settings, cache_dir, api_factory, xla_dir)
+    return os.getpid()
+
+
+def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str,
+                  replay: list | None, api_factory: str = DEFAULT_API_FACTORY, xla_dir: str | None = None,
+                  precision: str = "production") -> tuple[str, dict]:
+    """Worker process: one record into the cache (``overrides=None``: the float32 reference; ``{}``: the control at
+    ``precision``, the float32 lens's control; else the candidate, the control with ``overrides`` at ``precision``,
+    "production" or "lens", kept as its digests against its control and the reference, ``gates.candidates``),
+    replaying ``replay``, the control's routing. A record another process is computing (the control, whose summaries
+    the parent may still be computing; a reference) is waited for (``RecordCache.lock``). Returns how it was obtained
+    and its ``gates.profile.row``. ``xla_dir``: the parent's persistent compilation cache (a spawned process starts
+    without it)."""
+    r = _worker_runner(config, settings, cache_dir, api_factory, xla_dir)
     r.progress = lambda m: stderr(f"  [{label}] {m.split('] ', 1)[-1]}")
     if overrides is None:
         how = r.shared_record(r.base_flags, "reference", label, replay)[1]
@@ -129,11 +142,13 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
     is single-threaded, so two processes on two cores roughly halve the wall time). Only the candidates with a
     config's default control are prefetched; a worker's failure is reported and the check computes the record itself
     later. ``api_factory``: "module:function" the workers call to build the model API (default: the real model's).
-    How each record was obtained goes to ``runner.prefetched``."""
+    How each record was obtained goes to ``runner.prefetched``.
+
+    The workers start with the control: they import jax and the model and build their runner meanwhile. Every other
+    record replays the control's routing, so they are given their records as soon as the control's steps have run
+    (``run_protocol``'s ``on_steps``), while this process computes the control's summaries and stores it; a candidate
+    that needs the control's record waits for it (``RecordCache.lock``)."""
     api_factory = api_factory or DEFAULT_API_FACTORY
-    runner.shared_record(runner.base_flags, "production", "control (before the checks)")
-    control = runner.base_control()[0]
-    replay = control_routing(control)
     base = runner.api.as_dict(runner.base_flags)
     jobs_list = [(None, "reference", runner.base_flags, "reference")]
     lens = runner.lens and any(spec.contract == "rounding" for spec in specs)
@@ -147,16 +162,31 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
         jobs_list.append((changed, f"candidate[{spec.name}]", candidate_flags, "production"))
         if lens and spec.contract == "rounding":
             jobs_list.append((changed, f"candidate-lens[{spec.name}]", candidate_flags, "lens"))
-    t = time.perf_counter()
-    runner.progress(f"[{t - runner.t0:7.1f}s] prefetch: {len(jobs_list)} records in {jobs} worker processes")
+    settings = runner.settings.as_dict()
+    xla_dir = active_compilation_cache_dir()
+    futures: dict = {}
+    submitted: list = []  # the routing the jobs were given (one entry once they are)
     pool = worker_pool(jobs)
+
+    def submit(replay):
+        if submitted:
+            return
+        submitted.append(replay)
+        runner.progress(f"[{time.perf_counter() - runner.t0:7.1f}s] prefetch: {len(jobs_list)} records in {jobs} "
+                        "worker processes")
+        for ov, label, flags, precision in jobs_list:
+            fut = pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label, replay, api_factory,
+                              xla_dir, precision)
+            futures[fut] = (label, record_lib.key_digest(runner.key_parts(flags, precision, replay)))
+
     try:
-        settings = runner.settings.as_dict()
-        xla_dir = active_compilation_cache_dir()
-        futures = {pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label, api_factory,
-                               xla_dir, precision):
-                   (label, record_lib.key_digest(runner.key_parts(flags, precision, replay)))
-                   for ov, label, flags, precision in jobs_list}
+        for _ in range(jobs):  # one each (a fast one may take two: the runner is built once per process)
+            pool.submit(_warm_up, runner.config_name, settings, cache_dir, api_factory, xla_dir)
+        runner.shared_record(runner.base_flags, "production", "control (before the checks)", on_steps=submit)
+        replay = control_routing(runner.base_control()[0])
+        if submitted and not _same_routing(submitted[0], replay):
+            raise RuntimeError("prefetch: the routing given to the workers is not the control record's")
+        submit(replay)  # the control was read from the cache (or found by its program): no steps ran here
         for fut in concurrent.futures.as_completed(futures):
             label, digest = futures[fut]
             try:
@@ -170,3 +200,9 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
         stop_pool(pool)
         raise
     pool.shutdown(wait=True)
+
+
+def _same_routing(a: list | None, b: list | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))

@@ -196,6 +196,7 @@ def run_protocol(
     sketch: SketchSpec | None = None,
     recorder: recorder_lib.Recorder | None = None,
     summaries: bool = True,
+    on_steps: Callable[[list[np.ndarray] | None], None] | None = None,
 ) -> record_lib.RunRecord:
     """Run ``settings.steps`` optimizer steps of the RL loss and record every step.
 
@@ -220,11 +221,19 @@ def run_protocol(
     programs are the same with or without them. ``summaries=False``: none (a record that
     is only digested and never stored, a check's candidate: ``gates.candidates``). ``recorder``: also write each step
     to that run directory as it ends (the record format; full tensors when the recorder has ``full_tensors``).
+
+    ``on_steps(routing)``: called once the last step has run, with the experts each step used (``StepRecord.routing``,
+    the list other runs replay; None for a model without routing), before the summaries: they are then computed after
+    the steps instead of after each one, so the caller can start the runs that replay this one's routing (the prefetch
+    workers, while the control's summaries are computed). Not with ``recorder``, which writes each step as it ends.
     """
     tokens = jnp.asarray(batch.tokens)
     mask = jnp.asarray(batch.completion_mask)
     adv = jnp.asarray(batch.advantages)
     opt = make_optimizer(settings)
+    if on_steps is not None and recorder is not None:
+        raise ValueError("run_protocol: on_steps defers the summaries past the steps; a recorder writes each step "
+                         "as it ends")
     routing_shape = getattr(log_probs_fn, "routing_shape", None)
     if replay is not None:
         if routing_shape is None:
@@ -309,9 +318,16 @@ def run_protocol(
     sketch = DEFAULT_SKETCH if sketch is None else sketch
     summarize = (functools.partial(recorder_lib.summaries_by_tensor, width=sketch.width, seed=sketch.seed)
                  if summaries else (lambda *a, **k: {}))
-    ts = time.perf_counter()
-    summaries0 = _host(summarize(None, params))
-    phases["summaries_s"] = time.perf_counter() - ts
+    defer = on_steps is not None
+    kept = []  # with on_steps: (grads, params, the parameters before the step) per step, for the summaries after
+
+    def summarize_timed(*args, **kwargs):
+        ts = time.perf_counter()
+        out = _host(summarize(*args, **kwargs))
+        return out, time.perf_counter() - ts
+
+    first = params if defer else None  # with on_steps, step 0's summaries come after the steps
+    summaries0, phases["summaries_s"] = ({}, 0.0) if defer else summarize_timed(None, params)
     if recorder is not None:
         recorder.step(0, summaries={**summaries0, **_full(recorder, None, params0)})
     steps = []
@@ -329,10 +345,13 @@ def run_protocol(
         # this step's execution: its wall time less the tracing, lowering and compiling done inside it (step 1)
         phases.setdefault("execute_s", []).append(
             step_s[-1] - (sum(phases[k] for k in ("trace_s", "lower_s", "compile_s")) - building))
-        ts = time.perf_counter()
-        summ = _host(summarize(grads, params, prev_params=prev))
-        summary_s.append(time.perf_counter() - ts)
-        phases["summaries_s"] += summary_s[-1]
+        if defer:
+            summ = {}
+            kept.append((grads, params, prev))
+        else:
+            summ, seconds = summarize_timed(grads, params, prev_params=prev)
+            summary_s.append(seconds)
+            phases["summaries_s"] += seconds
         del prev
         steps.append(
             record_lib.StepRecord(
@@ -356,6 +375,15 @@ def run_protocol(
             replayed = f" routing replayed ({int(mismatch)} own choices differ)" if replay is not None else ""
             progress(f"{label}: step {i + 1}/{settings.steps} loss={float(loss):.6g} "
                      f"grad_norm={float(grad_norm):.6g}{replayed} elapsed {time.perf_counter() - t0:.1f}s")
+    if defer:
+        on_steps(None if any(s.routing is None for s in steps) else [s.routing for s in steps])
+        summaries0, phases["summaries_s"] = summarize_timed(None, first)
+        for s, (grads, params_i, prev) in zip(steps, kept, strict=True):
+            s.summaries, seconds = summarize_timed(grads, params_i, prev_params=prev)
+            summary_s.append(seconds)
+            phases["summaries_s"] += seconds
+        kept.clear()
+    del first
     meta = dict(metadata or {})
     meta.setdefault("settings", settings.as_dict())
     meta.setdefault("batch_seed", batch.seed)

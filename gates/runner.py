@@ -246,10 +246,11 @@ class Runner:
                           sketch=protocol.DEFAULT_SKETCH.to_json())
 
     def compute(self, flags, precision: str, label: str, *, loss_fn=protocol.grpo_loss,
-                replay=None, lookup=None, summaries: bool = True) -> record_lib.RunRecord:
+                replay=None, lookup=None, summaries: bool = True, on_steps=None) -> record_lib.RunRecord:
         """A fresh run of ``flags`` at ``precision``. ``lookup(fn, program_sha256)``: ``run_protocol``'s lookup, given
         the built model function too (a record it returns is returned instead of compiling and running).
-        ``summaries=False``: without the sketches (a candidate, kept as its digests only)."""
+        ``summaries=False``: without the sketches (a candidate, kept as its digests only). ``on_steps``:
+        ``run_protocol``'s (called with the routing the steps used, before the summaries)."""
         self.progress(f"[{time.perf_counter() - self.t0:7.1f}s] {label}: tracing + compiling ({precision})")
         mesh = self.api.make_mesh(flags)
         fn = self.api.build_log_probs(self.cfg, flags, precision=precision, mesh=mesh)
@@ -269,16 +270,18 @@ class Runner:
         rec = protocol.run_protocol(fn, params, self.batch, self.settings, metadata=meta, loss_fn=loss_fn,
                                     progress=progress, label=label, replay=replay,
                                     lookup=None if lookup is None else functools.partial(lookup, fn),
-                                    summaries=summaries)
+                                    summaries=summaries, on_steps=on_steps)
         rec.metadata["implementations"] = dict(self.api.implementations(fn))
         rec.metadata["run_s"] = round(time.perf_counter() - t, 3)
         return rec
 
-    def shared_record(self, flags, precision: str, label: str, replay=None) -> tuple[record_lib.RunRecord, str]:
+    def shared_record(self, flags, precision: str, label: str, replay=None, *,
+                      on_steps=None) -> tuple[record_lib.RunRecord, str]:
         """Control or reference: once per (flags, precision, replayed routing) in this process, and through the disk
         cache. Returns (record, how): "computed" (in this run), "cached" (from an earlier run), "recomputed: <why the
         cached entry was rejected>", with " (by a prefetch worker of this run)" for a record a worker obtained, and
-        "; shared: first obtained for <label>" when an earlier use in this run obtained it."""
+        "; shared: first obtained for <label>" when an earlier use in this run obtained it. ``on_steps``: passed to
+        ``run_protocol`` when the record is computed here (not called for a record read from the cache)."""
         parts = self.key_parts(flags, precision, replay)
         k = record_lib.key_digest(parts)
         if k in self._records:
@@ -287,11 +290,11 @@ class Runner:
         t, c = time.perf_counter(), time.process_time()
         if self.use_cache:
             with self.cache.lock(k):  # another process computing it: wait, then read it
-                rec, how = self._cached_or_computed(k, flags, precision, label, replay)
+                rec, how = self._cached_or_computed(k, flags, precision, label, replay, on_steps)
             if how == "cached" and k in self.prefetched:  # a worker of this run put it there: say how it got it
                 how = f"{self.prefetched[k]} (by a prefetch worker of this run)"
         else:
-            rec, how = self.compute(flags, precision, label, replay=replay), "computed"
+            rec, how = self.compute(flags, precision, label, replay=replay, on_steps=on_steps), "computed"
         self._records[k] = (rec, how, label)
         self._profile(label, (rec, how), t, c)
         return rec, how
@@ -312,7 +315,7 @@ class Runner:
     def _alias_path(self, digest: str) -> pathlib.Path:
         return pathlib.Path(self.cache.root) / "by-source" / f"{digest}.json"
 
-    def _cached_or_computed(self, digest: str, flags, precision: str, label: str, replay):
+    def _cached_or_computed(self, digest: str, flags, precision: str, label: str, replay, on_steps=None):
         """(record, how) through the record cache. The record is stored under its program's key
         (``program_key_parts``); ``by-source/<digest>.json`` names that key for ``digest`` (the sources' key,
         ``key_parts``), so an unchanged source tree finds it without building anything, and after an edit that
@@ -350,7 +353,7 @@ class Runner:
             self.progress(f"{label}: cached, the same program (record {record_lib.key_digest(parts)})")
             return rec
 
-        rec = self.compute(flags, precision, label, replay=replay, lookup=lookup)
+        rec = self.compute(flags, precision, label, replay=replay, lookup=lookup, on_steps=on_steps)
         if found.get("hit"):
             how = "cached (the same program and inputs)"
         else:

@@ -174,6 +174,51 @@ def test_params_on_a_mesh_run_every_step_with_one_compile_each():
     assert sorted(compiled) == ["Compiling jit(grad_step)", "Compiling jit(opt_step)"], compiled
 
 
+def _routing_toy(vocab: int = 11, shape=(1, 2, 2, 8, 2)):
+    """A log-probs function with routing (``routing_shape``): the experts used scale the logits."""
+
+    def log_probs(p, tokens, routing):
+        ids, on = routing
+        own = jnp.full(shape, 3, jnp.int32)
+        used = jnp.where(on, ids, own)
+        logits = jax.nn.one_hot(tokens[:, :-1], vocab) @ p["w"] * (1.0 + jnp.mean(used.astype(jnp.float32)))
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, 1:, None], axis=-1)[..., 0]
+        mismatch = jnp.sum(jnp.any(used != own, axis=-1)).astype(jnp.int32)
+        return logp, {"dropped_tokens": 0, "routing": used, "routing_mismatch": mismatch}
+
+    log_probs.routing_shape = shape
+    return log_probs
+
+
+def test_on_steps_gets_the_routing_before_the_summaries_and_changes_no_bit(monkeypatch):
+    """on_steps is called once, after the last step and before any summary is computed, with the routing every step
+    used (what other runs replay); the record, summaries included, is the same to the bit as without it. A recorder
+    (which writes each step as it ends) cannot go with it."""
+    from nxgates.gates import recorder
+
+    vocab, shape = 11, (1, 2, 2, 8, 2)
+    batch = P.make_batch(2, 8, vocab, P.seed_for("replay-B2-S8-V11"))
+    params = {"w": jnp.asarray(np.random.default_rng(1).standard_normal((vocab, vocab)), jnp.float32)}
+    replay = [np.full(shape, v, np.int32) for v in (3, 5, 7)]
+    plain = P.run_protocol(_routing_toy(), params, batch, replay=replay)
+    events = []
+    real = recorder.summaries_by_tensor
+    monkeypatch.setattr(recorder, "summaries_by_tensor", lambda *a, **k: events.append("summaries") or real(*a, **k))
+    deferred = P.run_protocol(_routing_toy(), params, batch, replay=replay,
+                              on_steps=lambda routing: events.append(routing))
+    assert len(events) == 1 + 1 + 3 and isinstance(events[0], list), events  # the routing, then step 0 and 3 steps
+    assert [int(r[0, 0, 0, 0, 0]) for r in events[0]] == [3, 5, 7]
+    for a, b in zip(plain.steps, deferred.steps, strict=True):
+        assert a.loss.tobytes() == b.loss.tobytes() and a.routing.tobytes() == b.routing.tobytes()
+        assert all(a.params[n].tobytes() == b.params[n].tobytes() for n in a.params)
+        assert list(a.summaries) == list(b.summaries) and a.summaries
+        assert all(a.summaries[k].tobytes() == b.summaries[k].tobytes() for k in a.summaries)
+    assert list(plain.summaries0) == list(deferred.summaries0) and plain.summaries0
+    assert all(plain.summaries0[k].tobytes() == deferred.summaries0[k].tobytes() for k in plain.summaries0)
+    with pytest.raises(ValueError, match="on_steps defers the summaries"):
+        P.run_protocol(_routing_toy(), params, batch, on_steps=print, recorder=object())
+
+
 def test_routing_replay_is_passed_per_step_and_recorded():
     """A model with routing: without replay every step gets (zeros, off) and its own choice is recorded; with replay,
     step i gets (replay[i], on); the record keeps the experts used and the mismatch count; a replay for a model without
