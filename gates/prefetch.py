@@ -1,9 +1,10 @@
 """Prefetch: compute a run's records in worker processes before the checks read them from the record cache.
 
-Compilation is single-threaded, so two processes on two cores roughly halve the wall time of ``nxgates run``. The
-control is computed first in the calling process (every other record replays its routing); the reference and every
-candidate with the config's default control go to the workers, and, when the float32 lens runs, the lens's control
-and each rounding candidate in the lens. Nothing is trusted from a failed worker: its check
+XLA compiles mostly on one core (a tiny candidate's program: 14 s wall, 20 s CPU; docs/speed.md), so two processes on
+two cores cut the wall time of ``nxgates run``. The control is computed first in the calling process (every other
+record replays its routing; the workers start with it and are handed their records once its steps have run); the
+reference and every candidate with the config's default control go to the workers, and, when the float32 lens runs,
+the lens's control and each rounding candidate in the lens. Nothing is trusted from a failed worker: its check
 computes the record itself later.
 
 Workers never outlive the process that started them: each one, when it starts, asks the kernel to kill it when its
@@ -138,8 +139,8 @@ def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides:
 
 def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_factory: str | None = None) -> None:
     """Compute the control here, then the reference, the lens's control and every candidate of ``specs`` (in that
-    order: a candidate's digests read the first two) in ``jobs`` worker processes, into the record cache (compilation
-    is single-threaded, so two processes on two cores roughly halve the wall time). Only the candidates with a
+    order: a candidate's digests read the first two) in ``jobs`` worker processes, into the record cache (XLA
+    compiles mostly on one core). Only the candidates with a
     config's default control are prefetched; a worker's failure is reported and the check computes the record itself
     later. ``api_factory``: "module:function" the workers call to build the model API (default: the real model's).
     How each record was obtained goes to ``runner.prefetched``.
