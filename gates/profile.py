@@ -21,6 +21,7 @@ import hashlib
 import os
 import pathlib
 import platform
+import sys
 
 from tabulate import tabulate
 
@@ -82,16 +83,28 @@ def active_compilation_cache_dir() -> str | None:
     return jax.config.jax_compilation_cache_dir or None
 
 
+def peak_rss_mb() -> float | None:
+    """The largest resident set this process has had so far, in MB (None where ``resource`` is missing)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux, bytes on macOS
+    return round(peak / (1e6 if sys.platform == "darwin" else 1e3), 1)
+
+
 def row(label: str, how: str, metadata: dict, wall_s: float, cpu_s: float | None = None) -> dict:
     """One record's profile row. ``metadata``: the record's (``phases`` from ``run_protocol``); ``wall_s``,
     ``cpu_s``: what obtaining it cost this process (its run, or its read from the cache) in wall-clock and CPU seconds
-    (all threads; on a loaded machine the CPU seconds are the steadier figure)."""
+    (all threads; on a loaded machine the CPU seconds are the steadier figure); ``peak_rss_mb``: the peak resident
+    set of this process (the one that obtained the record: a worker for a worker's row) once it had it."""
     ph = metadata.get("phases", {})
     execute = ph.get("execute_s", [])
     by_worker = "by a prefetch worker" in how  # the worker's own row counts its phases
     computed = not how.startswith("cached") and not by_worker
     out = {"record": label, "how": "worker's" if by_worker else how.split(" (")[0].split(":")[0],
-           "wall_s": round(wall_s, 2), "cpu_s": None if cpu_s is None else round(cpu_s, 2), "computed": computed}
+           "wall_s": round(wall_s, 2), "cpu_s": None if cpu_s is None else round(cpu_s, 2), "computed": computed,
+           "peak_rss_mb": peak_rss_mb()}
     for k in ("trace_s", "lower_s", "compile_s"):
         out[k] = ph.get(k)
     out["execute_s"] = round(sum(execute), 3) if execute else None
@@ -114,12 +127,15 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         body.append([r["record"], r["how"], *[cell(r, k) for k in PHASES],
                      "-" if r["stablehlo_kb"] is None else r["stablehlo_kb"], f"{r['wall_s']:.1f}",
-                     "-" if r.get("cpu_s") is None else f"{r['cpu_s']:.1f}"])
+                     "-" if r.get("cpu_s") is None else f"{r['cpu_s']:.1f}",
+                     "-" if r.get("peak_rss_mb") is None else f"{r['peak_rss_mb']:.0f}"])
     computed = [r for r in rows if r["computed"]]
     totals = [sum(r[k] or 0.0 for r in computed) for k in PHASES]
     body.append(["total", f"{len(computed)} computed / {len(rows)}", *[f"{t:.1f}" for t in totals],
                  sum(r["stablehlo_kb"] or 0 for r in computed), f"{sum(r['wall_s'] for r in rows):.1f}",
-                 f"{sum(r.get('cpu_s') or 0.0 for r in rows):.1f}"])
+                 f"{sum(r.get('cpu_s') or 0.0 for r in rows):.1f}",
+                 max((f"{r['peak_rss_mb']:.0f}" for r in rows if r.get("peak_rss_mb") is not None), key=float,
+                     default="-")])
     headers = ("record", "how", "trace s", "lower s", "compile s", "execute s", "summaries s", "StableHLO KiB",
-               "wall s", "cpu s")
+               "wall s", "cpu s", "peak RSS MB")
     return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -147,6 +148,18 @@ def test_profile_rows_and_totals():
     assert total[:3] == ["total", "1", "computed"]
     assert total[5:11] == ["1.0", "2.0", "30.0", "7.0", "0.5", "4"]  # the cached row's phases are not added
     assert "(30.0)" in text
+    assert "peak RSS MB" in text.splitlines()[0] and total[-1] == f"{max(r['peak_rss_mb'] for r in rows):.0f}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set from /proc")
+def test_profile_row_peak_rss_is_this_process_in_mb():
+    """A row's peak RSS is this process's, in MB: at least the 200 MB just touched here, and no more than the
+    largest resident set /proc reports for it (VmHWM, kB)."""
+    block = np.ones(200_000_000 // 8)  # 200 MB, every page written
+    value = profile.row("control", "computed", {}, 1.0, 1.0)["peak_rss_mb"]
+    hwm_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    assert float(block.sum()) == block.size
+    assert 200 <= value <= hwm_kb / 1e3 + 1, (value, hwm_kb)
 
 
 # ------------------------------------------------------------------------------------------- records keyed by program
