@@ -27,7 +27,6 @@ import threading
 import time
 
 import jax
-import numpy as np
 
 from nxgates.gates import protocol
 from nxgates.gates import record as record_lib
@@ -105,10 +104,9 @@ def _worker_runner(config: str, settings: dict, cache_dir: str | None, api_facto
     return _WORKER[key]
 
 
-def _warm_up(config: str, settings: dict, cache_dir: str | None, api_factory: str, xla_dir: str | None) -> int:
-    """Worker process: build the runner (imports, config, batch) while the parent computes the control; its pid."""
+def _warm_up(config: str, settings: dict, cache_dir: str | None, api_factory: str, xla_dir: str | None) -> None:
+    """Worker process: build the runner (imports, config, batch) while the parent computes the control."""
     _worker_runner(config, settings, cache_dir, api_factory, xla_dir)
-    return os.getpid()
 
 
 def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides: dict | None, label: str,
@@ -166,7 +164,7 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
     settings = runner.settings.as_dict()
     xla_dir = active_compilation_cache_dir()
     futures: dict = {}
-    submitted: list = []  # the routing the jobs were given (one entry once they are)
+    submitted: list = []  # one entry once the jobs are submitted
     pool = worker_pool(jobs)
 
     def submit(replay):
@@ -184,10 +182,8 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
         for _ in range(jobs):  # one each (a fast one may take two: the runner is built once per process)
             pool.submit(_warm_up, runner.config_name, settings, cache_dir, api_factory, xla_dir)
         runner.shared_record(runner.base_flags, "production", "control (before the checks)", on_steps=submit)
-        replay = control_routing(runner.base_control()[0])
-        if submitted and not _same_routing(submitted[0], replay):
-            raise RuntimeError("prefetch: the routing given to the workers is not the control record's")
-        submit(replay)  # the control was read from the cache (or found by its program): no steps ran here
+        # the control was read from the cache (or found by its program): no steps ran here, nothing submitted yet
+        submit(control_routing(runner.base_control()[0]))
         for fut in concurrent.futures.as_completed(futures):
             label, digest = futures[fut]
             try:
@@ -201,9 +197,3 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
         stop_pool(pool)
         raise
     pool.shutdown(wait=True)
-
-
-def _same_routing(a: list | None, b: list | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))

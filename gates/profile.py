@@ -131,11 +131,10 @@ def table(rows: list[dict]) -> str:
                      "-" if r.get("peak_rss_mb") is None else f"{r['peak_rss_mb']:.0f}"])
     computed = [r for r in rows if r["computed"]]
     totals = [sum(r[k] or 0.0 for r in computed) for k in PHASES]
+    peaks = [r["peak_rss_mb"] for r in rows if r.get("peak_rss_mb") is not None]
     body.append(["total", f"{len(computed)} computed / {len(rows)}", *[f"{t:.1f}" for t in totals],
                  sum(r["stablehlo_kb"] or 0 for r in computed), f"{sum(r['wall_s'] for r in rows):.1f}",
-                 f"{sum(r.get('cpu_s') or 0.0 for r in rows):.1f}",
-                 max((f"{r['peak_rss_mb']:.0f}" for r in rows if r.get("peak_rss_mb") is not None), key=float,
-                     default="-")])
+                 f"{sum(r.get('cpu_s') or 0.0 for r in rows):.1f}", f"{max(peaks):.0f}" if peaks else "-"])
     headers = ("record", "how", "trace s", "lower s", "compile s", "execute s", "summaries s", "StableHLO KiB",
                "wall s", "cpu s", "peak RSS MB")
     return tabulate(body, headers=headers, tablefmt="simple", disable_numparse=True)

@@ -181,6 +181,12 @@ def tree_to_named(tree) -> dict[str, np.ndarray]:
     return out
 
 
+def replay_routing(steps: Sequence[record_lib.StepRecord]) -> list[np.ndarray] | None:
+    """The experts each step used, as other runs replay them (None for a model without routing)."""
+    routes = [s.routing for s in steps]
+    return None if any(r is None for r in routes) else routes
+
+
 def run_protocol(
     log_probs_fn: Callable,
     params,
@@ -376,7 +382,7 @@ def run_protocol(
             progress(f"{label}: step {i + 1}/{settings.steps} loss={float(loss):.6g} "
                      f"grad_norm={float(grad_norm):.6g}{replayed} elapsed {time.perf_counter() - t0:.1f}s")
     if defer:
-        on_steps(None if any(s.routing is None for s in steps) else [s.routing for s in steps])
+        on_steps(replay_routing(steps))
         summaries0, phases["summaries_s"] = summarize_timed(None, first)
         for s, (grads, params_i, prev) in zip(steps, kept, strict=True):
             s.summaries, seconds = summarize_timed(grads, params_i, prev_params=prev)

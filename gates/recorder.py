@@ -117,7 +117,8 @@ def summaries_by_tensor(grads=None, params=None, *, prev_params=None, width: int
         raise ValueError("summaries: prev_params given without params (the update is params - prev_params)")
     sketch_lib._check_width_seed(width, seed)  # the same refusal of a bad width or seed as summaries()
     trees = [t for t in (grads, params, prev_params) if t is not None]
-    if any(sketch_lib._explicit_sharding(jnp.asarray(x)) is not None for t in trees for x in jax.tree.leaves(t)):
+    if any(isinstance(x, jax.Array) and sketch_lib._explicit_sharding(x) is not None
+           for t in trees for x in jax.tree.leaves(t)):
         return jitted_summaries(width, seed)(grads, params, prev_params=prev_params)
     groups: dict[str, dict] = {g: {} for g in ("grad_sketch", "grad_fp", "grad_sq", "param_sketch", "param_fp",
                                                "update_sketch")}

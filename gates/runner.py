@@ -48,8 +48,7 @@ from nxgates.gates.tolerances import Tolerances, load_tolerances, read_table
 
 def control_routing(control: record_lib.RunRecord) -> list | None:
     """The control's per-step routing for the other runs to replay (None for a model without routing)."""
-    routes = [s.routing for s in control.steps]
-    return None if any(r is None for r in routes) else routes
+    return protocol.replay_routing(control.steps)
 
 
 def _has_lens(path: str) -> bool:

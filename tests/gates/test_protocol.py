@@ -226,18 +226,7 @@ def test_routing_replay_is_passed_per_step_and_recorded():
     vocab, shape = 11, (1, 2, 2, 8, 2)
     batch = P.make_batch(2, 8, vocab, P.seed_for("replay-B2-S8-V11"))
     params = {"w": jnp.asarray(np.random.default_rng(1).standard_normal((vocab, vocab)), jnp.float32)}
-
-    def log_probs(p, tokens, routing):
-        ids, on = routing
-        own = jnp.full(shape, 3, jnp.int32)
-        used = jnp.where(on, ids, own)
-        # the routing reaches the numbers: the experts used scale the logits
-        logits = jax.nn.one_hot(tokens[:, :-1], vocab) @ p["w"] * (1.0 + jnp.mean(used.astype(jnp.float32)))
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, 1:, None], axis=-1)[..., 0]
-        mismatch = jnp.sum(jnp.any(used != own, axis=-1)).astype(jnp.int32)
-        return logp, {"dropped_tokens": 0, "routing": used, "routing_mismatch": mismatch}
-
-    log_probs.routing_shape = shape
+    log_probs = _routing_toy(vocab, shape)
     own = P.run_protocol(log_probs, params, batch)
     assert all(np.array_equal(s.routing, np.full(shape, 3)) and s.routing_mismatch == 0 for s in own.steps)
     replay = [np.full(shape, v, np.int32) for v in (3, 5, 7)]
