@@ -70,27 +70,26 @@ PRECISIONS = ("production", "reference", "lens")
 # mesh axes its spec does not mention (context / expert for the weights): exactly the gradient of the replicated
 # weights; every collective used here (all_gather, psum_scatter, ppermute) transposes to its exact adjoint.
 CHECK_VMA = False
-PATTERN = ("gdn", "gdn", "gdn", "attention")
 _LAYER_SHAPES = {"gdn": gdn_param_shapes, "attention": attention_param_shapes}
 
 
-def _check_pattern(cfg) -> int:
+def layer_groups(cfg) -> tuple[tuple[str, ...], int]:
+    """``(the layer pattern, the number of groups)``: the model scans ``num_layers / len(layer_pattern)`` groups, each
+    the pattern's layers in order (the trainer's: three GDN layers, then one attention layer)."""
     pattern = tuple(cfg.layer_pattern)
-    if pattern != PATTERN:
-        raise NotImplementedError(f"layer_pattern={pattern} is not supported; only {PATTERN}")
-    if cfg.num_layers % len(PATTERN):
-        raise NotImplementedError(
-            f"num_layers={cfg.num_layers} must be a multiple of the pattern length {len(PATTERN)}"
-        )
-    return cfg.num_layers // len(PATTERN)
+    if not pattern or any(kind not in _LAYER_SHAPES for kind in pattern):
+        raise ValueError(f"layer_pattern={pattern!r} must be a non-empty tuple of {tuple(_LAYER_SHAPES)}")
+    if cfg.num_layers % len(pattern):
+        raise ValueError(f"num_layers={cfg.num_layers} must be a multiple of the pattern length {len(pattern)}")
+    return pattern, cfg.num_layers // len(pattern)
 
 
 def param_shapes(cfg) -> dict:
     """Nested dict of parameter shapes (tuples)."""
-    groups = _check_pattern(cfg)
+    pattern, groups = layer_groups(cfg)
     d = Dims.from_config(cfg)
     layers = {}
-    for i, kind in enumerate(PATTERN):
+    for i, kind in enumerate(pattern):
         layer = {kind: _LAYER_SHAPES[kind](d), "moe": moe_param_shapes(d)}
         layers[f"layer_{i}"] = jax.tree_util.tree_map(
             lambda s: (groups, *s), layer, is_leaf=lambda x: isinstance(x, tuple)
@@ -195,7 +194,7 @@ def build_log_probs(cfg, flags, *, precision: str, mesh, explain: bool = False):
         if getattr(flags, key) != sizes[axis]:
             raise ValueError(f"{key}={getattr(flags, key)} but the mesh's {axis} axis has {sizes[axis]} devices "
                              f"(mesh.shape={dict(mesh.shape)}); build the mesh with model.sharding.make_mesh(flags)")
-    groups = _check_pattern(cfg)
+    pattern, groups = layer_groups(cfg)
     dims = Dims.from_config(cfg)
     lb = bool(flags.context_parallel_attention_load_balance) and sizes["context"] > 1
     ctx = Ctx(
@@ -235,7 +234,7 @@ def build_log_probs(cfg, flags, *, precision: str, mesh, explain: bool = False):
 
     layer_fns = [
         jax.checkpoint(functools.partial(layer, kind, i), policy=policy, prevent_cse=not flags.scan_layers)
-        for i, kind in enumerate(PATTERN)
+        for i, kind in enumerate(pattern)
     ]
 
     def local_forward(params, tokens, targets, replay_ids, replay_on, probes=None):
@@ -258,7 +257,7 @@ def build_log_probs(cfg, flags, *, precision: str, mesh, explain: bool = False):
                 f"layer_{i}": {
                     name: hoist_fp8(ctx, params["layers"][f"layer_{i}"]["moe"][name], axis=2) for name in ("wi", "wo")
                 }
-                for i in range(len(PATTERN))
+                for i in range(len(pattern))
             }
 
         def group(x, xs):
@@ -266,7 +265,7 @@ def build_log_probs(cfg, flags, *, precision: str, mesh, explain: bool = False):
             dropped = jnp.int32(0)
             owns = []
             taps_g = {}
-            for i in range(len(PATTERN)):
+            for i in range(len(pattern)):
                 probe_args = (xs[3].get(f"layer_{i}", {}),) if explain else ()
                 x, out = layer_fns[i](x, gp[f"layer_{i}"], None if hg is None else hg[f"layer_{i}"], ids,
                                       (rg[i], replay_on), *probe_args)
@@ -319,7 +318,7 @@ def build_log_probs(cfg, flags, *, precision: str, mesh, explain: bool = False):
         local_forward, mesh=mesh, in_specs=(specs, tok_spec, tok_spec, route_spec, P(), *extra),
         out_specs=(tok_spec, P(), route_spec, *extra), check_vma=CHECK_VMA
     )
-    routing_shape = (groups, len(PATTERN), cfg.batch_size, cfg.seq_len, dims.top_k)
+    routing_shape = (groups, len(pattern), cfg.batch_size, cfg.seq_len, dims.top_k)
 
     def log_probs(params, tokens, routing=None, probes=None):
         if probes is not None and not explain:
@@ -385,7 +384,7 @@ def build_log_probs(cfg, flags, *, precision: str, mesh, explain: bool = False):
 
         log_probs.probe_shapes = probe_shapes
         log_probs.tap_specs = lambda: dict(ctx.taps.specs)
-        log_probs.pattern = PATTERN
+        log_probs.pattern = pattern
         log_probs.groups = groups
     log_probs.implementations = lambda: dict(ctx.record)  # what the last trace dispatched, {op: implementation}
     return log_probs

@@ -1,8 +1,8 @@
 """Taps (model/taps.py): the default program is unchanged, and the taps hold the values they claim.
 
-Run: ``python -m pytest tests/model/test_taps.py -q`` (the reduced tiny config of test_transformer.py with one layer
-group, to keep the suite's time: the layer scan is traced all the same and the taps stack per group; the program
-comparisons are lowered only, one explained step is compiled).
+Run: ``python -m pytest tests/model/test_taps.py -q`` (the reduced tiny config of test_transformer.py, one GDN and one
+attention layer, with one layer group, to keep the suite's time: the layer scan is traced all the same and the taps
+stack per group; the program comparisons are lowered only, one explained step is compiled).
 """
 
 import functools
@@ -21,7 +21,8 @@ def _one_group_cfg():
     """One layer group (half the lowering time of small_cfg): the tap hooks are all on the traced path either way."""
     import dataclasses
 
-    return dataclasses.replace(small_cfg(), num_layers=4)
+    cfg = small_cfg()
+    return dataclasses.replace(cfg, num_layers=len(cfg.layer_pattern))
 
 
 def _default_text() -> str:
@@ -79,14 +80,16 @@ def test_default_program_unchanged_by_the_tap_machinery(monkeypatch):
 
 def test_taps_cover_every_scope_and_stack_per_layer_group():
     fwd, bwd, specs, *_ , structure = _explained()
-    n_dev, groups = 8, _one_group_cfg().num_layers // 4
-    assert set(specs) == {"embed", "layer_0", "layer_1", "layer_2", "layer_3", "head"}
+    cfg = _one_group_cfg()
+    n_dev, groups = 8, cfg.num_layers // len(cfg.layer_pattern)
+    assert cfg.layer_pattern == ("gdn", "attention")
+    assert set(specs) == {"embed", "layer_0", "layer_1", "head"}
     ops_0 = {s.op for s in specs["layer_0"]}
     assert {"norm", "gdn_cp_fold", "gdn", "gdn_cp_dh_fold", "router", "fp8_amax", "fp8_fake_quant", "moe_mlp",
             "shared_expert", "moe", "mixer"} <= ops_0
-    assert {"lb_ids", "attention"} <= {s.op for s in specs["layer_3"]}
+    assert {"lb_ids", "attention"} <= {s.op for s in specs["layer_1"]}
     assert {"lm_head", "logp"} <= {s.op for s in specs["head"]}
-    for scope in ("layer_0", "layer_3"):
+    for scope in ("layer_0", "layer_1"):
         for leaf in jax.tree.leaves(fwd["layers"][scope]):
             assert leaf.shape[:2] == (n_dev, groups)
     # every backward tap has its probe, shaped like it
