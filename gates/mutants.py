@@ -342,7 +342,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "lens must",
            overrides=_fold_skipping_a_chunk("gdn_cp_dh_fold"),
            may={"N4": "the whole gradient lies 1.07-1.09 x the control's distance from the reference vs the bound "
-                      "1.05: within 2-4% of it"},
+                      "1.05: within 2-4% of it",
+                "N5": "the largest tensor within 1% of its bound: 1.01 x on a znver3 CPU (2026-12-05), under it on "
+                      "znver4; which side depends on the machine's bf16 rounding"},
            lens_must=_all(("N3", "N4", "N5"), "a ~0.4 x bf16-sized gradient error against float32 noise"),
            lens_may={"N2": _STEPS_2_3, "N6": _N6_LENS}),
     Mutant("gmm_group_boundary_off_by_one", "the GMM's group boundaries one row late",
