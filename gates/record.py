@@ -214,11 +214,20 @@ def to_run(rec: RunRecord, path: str = "<memory>") -> records.Run:
 def entry_files(d: pathlib.Path) -> dict[str, str]:
     """{path relative to ``d``: sha256} of every file under the entry ``d`` but its checksum file."""
     out = {}
-    for p in sorted(d.rglob("*")):
-        rel = p.relative_to(d).as_posix()
-        if rel != ENTRY_CHECKSUM and not p.is_dir():
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
+
+    def unreadable(e: OSError) -> None:
+        raise e
+
+    root = os.fspath(d)
+    for top, _, names in os.walk(root, onerror=unreadable):  # os.walk, not pathlib: a load verifies every entry
+        prefix = os.path.relpath(top, root).replace(os.sep, "/") + "/"
+        for name in names:
+            rel = name if prefix == "./" else prefix + name
+            path = os.path.join(top, name)
+            if rel != ENTRY_CHECKSUM and not os.path.isdir(path):  # a link to a folder: a folder, as rglob saw it
+                with open(path, "rb") as f:
+                    out[rel] = hashlib.file_digest(f, "sha256").hexdigest()
+    return dict(sorted(out.items()))
 
 
 def _digest_of(files: Mapping[str, str]) -> str:
