@@ -219,7 +219,7 @@ def entry_files(d: pathlib.Path) -> dict[str, str]:
         raise e
 
     root = os.fspath(d)
-    for top, _, names in os.walk(root, onerror=unreadable):  # os.walk, not pathlib: a load verifies every entry
+    for top, _, names in os.walk(root, onerror=unreadable):  # os.walk: rglob + relative_to cost more than hashing
         prefix = os.path.relpath(top, root).replace(os.sep, "/") + "/"
         for name in names:
             rel = name if prefix == "./" else prefix + name
