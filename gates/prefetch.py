@@ -21,6 +21,7 @@ import ctypes
 import importlib
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
@@ -65,15 +66,145 @@ def worker_init(parent_pid: int) -> None:
     _exit_with_parent(parent_pid)
 
 
-def worker_pool(jobs: int) -> concurrent.futures.ProcessPoolExecutor:
-    """``jobs`` spawned worker processes that die with this process (``worker_init``)."""
-    return concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                                                  initializer=worker_init, initargs=(os.getpid(),))
+TASKS_PER_PROCESS = 1
 
 
-def stop_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    """Kill the workers now and cancel what has not started (an interrupted or failed run waits for no record). The
-    processes are taken before ``shutdown``, which forgets them."""
+class FreshProcessPool:
+    """``jobs`` lanes of work, each served by one spawned worker process at a time that is replaced by a new one after
+    ``tasks_per_process`` tasks: a task starts from the memory of a fresh process, so the largest process of a run
+    does not grow with the number of records it computes.
+
+    Why: a worker's resident set creeps up by 0.1 to 0.3 GB per record even with jax's caches cleared (the allocator's
+    heap after a compile; docs/speed.md), so a long-lived worker was the largest process of every run, and more flags
+    meant a larger peak. A replacement costs a process start, jax's import and the runner's build (about 1.3 s on
+    tiny, measured), and, for a candidate, reading the control and the reference back from the record cache.
+
+    Each lane is a thread in this process that owns a one-process ``ProcessPoolExecutor`` and hands it the lane's
+    tasks one by one (``submit`` returns a ``concurrent.futures.Future``, so ``as_completed`` works as before). A
+    worker that dies (a crash, the OOM killer) fails its task with ``BrokenProcessPool`` and the lane starts a new
+    process for the next one. (``ProcessPoolExecutor(max_tasks_per_child=...)`` does the same in one executor but can
+    stop scheduling after a worker exits on the Python versions this project supports: CPython issue 115634.)
+
+    ``warm_up``: ``(fn, args)`` each new process runs before its first task (imports, the runner). The first
+    processes start with the pool, so they warm up while the caller computes the control; a replacement starts when
+    its lane's next task is there (none is started for nothing at the end of a run).
+    """
+
+    def __init__(self, jobs: int, *, tasks_per_process: int = TASKS_PER_PROCESS, warm_up: tuple | None = None):
+        if jobs < 1 or tasks_per_process < 1:
+            raise ValueError(f"jobs={jobs!r}, tasks_per_process={tasks_per_process!r}: both must be >= 1")
+        self._tasks_per_process = tasks_per_process
+        self._warm_up = warm_up
+        self._parent = os.getpid()
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._executors: set[concurrent.futures.ProcessPoolExecutor] = set()
+        self._stopped = False
+        self._lanes = [threading.Thread(target=self._lane, args=(self._start(),), name=f"nxgates-lane-{i}",
+                                        daemon=True) for i in range(jobs)]
+        for lane in self._lanes:
+            lane.start()
+
+    def _start(self) -> concurrent.futures.ProcessPoolExecutor | None:
+        """A new one-process executor, already starting its process and warm-up (None once the pool is stopped)."""
+        with self._lock:
+            if self._stopped:
+                return None
+            ex = concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                                        initializer=worker_init, initargs=(self._parent,))
+            self._executors.add(ex)
+            if self._warm_up is not None:
+                fn, args = self._warm_up
+                ex.submit(fn, *args)  # its failure shows again in the task that needs what it builds
+            return ex
+
+    def _retire(self, ex: concurrent.futures.ProcessPoolExecutor) -> None:
+        with self._lock:
+            self._executors.discard(ex)
+        ex.shutdown(wait=True)
+
+    def _lane(self, ex: concurrent.futures.ProcessPoolExecutor | None) -> None:
+        done = 0
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                break
+            outer, fn, args = item
+            if ex is None:
+                try:
+                    ex = self._start()
+                except BaseException as e:  # noqa: BLE001 - no process for this task: its future says why
+                    if outer.set_running_or_notify_cancel():
+                        outer.set_exception(e)
+                    continue
+            if ex is None:  # the pool was stopped
+                outer.cancel()
+                continue
+            if not outer.set_running_or_notify_cancel():  # the caller cancelled it
+                continue
+            try:
+                outer.set_result(ex.submit(fn, *args).result())
+            except BaseException as e:  # noqa: BLE001 - the task's error (a dead worker's too) goes to its future
+                outer.set_exception(e)
+            done += 1
+            if done >= self._tasks_per_process or isinstance(outer.exception(), concurrent.futures.BrokenExecutor):
+                self._retire(ex)  # the next task of this lane starts a new process
+                ex, done = None, 0
+        if ex is not None:
+            self._retire(ex)
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        """Queue ``fn(*args)`` for the next free lane; its future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._tasks.put((fut, fn, args))
+        return fut
+
+    def processes(self) -> list:
+        """The worker processes alive now (``multiprocessing.Process``)."""
+        with self._lock:
+            return [p for ex in self._executors for p in (getattr(ex, "_processes", None) or {}).values()]
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No more tasks: each lane finishes what is queued (unless ``cancel_futures``), then its process exits."""
+        if cancel_futures:
+            with self._lock:
+                self._stopped = True
+        for _ in self._lanes:
+            self._tasks.put(None)
+        if wait:
+            for lane in self._lanes:
+                lane.join()
+
+    def kill(self) -> None:
+        """Kill the workers now; queued tasks are cancelled, and a lane starts no new process."""
+        with self._lock:
+            self._stopped = True
+            executors = list(self._executors)
+        procs = [p for ex in executors for p in (getattr(ex, "_processes", None) or {}).values()]
+        for proc in procs:
+            try:
+                proc.kill()
+            except (OSError, ValueError):
+                pass
+        for proc in procs:
+            proc.join(timeout=5)
+        for ex in executors:
+            ex.shutdown(wait=False, cancel_futures=True)
+        self.shutdown(wait=False, cancel_futures=True)
+
+
+def worker_pool(jobs: int, *, warm_up: tuple | None = None) -> FreshProcessPool:
+    """``jobs`` lanes of spawned worker processes that die with this process (``worker_init``), a fresh process per
+    task (``FreshProcessPool``)."""
+    return FreshProcessPool(jobs, warm_up=warm_up)
+
+
+def stop_pool(pool) -> None:
+    """Kill the workers now and cancel what has not started (an interrupted or failed run waits for no record). A
+    plain ``ProcessPoolExecutor``: its processes are taken before ``shutdown``, which forgets them."""
+    if isinstance(pool, FreshProcessPool):
+        pool.kill()
+        return
     procs = list((getattr(pool, "_processes", None) or {}).values())
     for proc in procs:
         try:
@@ -127,9 +258,9 @@ def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides:
         how = r.shared_record(r.base_flags, precision, label, replay)[1]
     else:  # a candidate: its digests against the control and the reference (read, or waited for, from the cache)
         how = r.candidate_summary(r.flags_from(overrides), precision, label, replay)[1]
-    # This process keeps the control, the reference and the lens's control (every candidate reads them); a candidate
-    # is kept as its digests only. Its programs are dropped: jax's in-memory caches keep every executable and trace
-    # of the run otherwise (a worker grew to 3.3 GB over 12 records on tiny); the next record reads the shared
+    # A process that serves more than one task (``FreshProcessPool(tasks_per_process=...)``) keeps the control, the
+    # reference and the lens's control (every candidate reads them) and a candidate's digests only; its programs are
+    # dropped (jax's in-memory caches keep every executable and trace otherwise); the next record reads the shared
     # programs (the optimizer's, the summaries') back from the persistent compilation cache.
     jax.clear_caches()
     return how, r.profile[-1]
@@ -165,7 +296,9 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
     xla_dir = active_compilation_cache_dir()
     futures: dict = {}
     submitted: list = []  # one entry once the jobs are submitted
-    pool = worker_pool(jobs)
+    # each worker process builds its runner (imports, config, batch) before its record: the first two while the
+    # control is computed here
+    pool = worker_pool(jobs, warm_up=(_warm_up, (runner.config_name, settings, cache_dir, api_factory, xla_dir)))
 
     def submit(replay):
         if submitted:
@@ -179,8 +312,6 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
             futures[fut] = (label, record_lib.key_digest(runner.key_parts(flags, precision, replay)))
 
     try:
-        for _ in range(jobs):  # one each (a fast one may take two: the runner is built once per process)
-            pool.submit(_warm_up, runner.config_name, settings, cache_dir, api_factory, xla_dir)
         runner.shared_record(runner.base_flags, "production", "control (before the checks)", on_steps=submit)
         # the control was read from the cache (or found by its program): no steps ran here, nothing submitted yet
         submit(control_routing(runner.base_control()[0]))

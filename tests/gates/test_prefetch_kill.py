@@ -31,7 +31,7 @@ from nxgates.gates import prefetch, suite
 from tests.gates import slow_toy
 if sys.argv[2] == "unguarded":  # the deliberately wrong pool: workers without worker_init
     import concurrent.futures, multiprocessing
-    prefetch.worker_pool = lambda jobs: concurrent.futures.ProcessPoolExecutor(
+    prefetch.worker_pool = lambda jobs, **kw: concurrent.futures.ProcessPoolExecutor(
         max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
 suite.check("toy", None, api=slow_toy.api(), api_factory="tests.gates.slow_toy:api", jobs=2, cache_dir=sys.argv[1],
             progress=lambda m: print(m, file=sys.stderr, flush=True))
