@@ -82,8 +82,8 @@ class FreshProcessPool:
     Each lane is a thread in this process that owns a one-process ``ProcessPoolExecutor`` and hands it the lane's
     tasks one by one (``submit`` returns a ``concurrent.futures.Future``, so ``as_completed`` works as before). A
     worker that dies (a crash, the OOM killer) fails its task with ``BrokenProcessPool`` and the lane starts a new
-    process for the next one. (``ProcessPoolExecutor(max_tasks_per_child=...)`` does the same in one executor but can
-    stop scheduling after a worker exits on the Python versions this project supports: CPython issue 115634.)
+    process for the next one. (``ProcessPoolExecutor(max_tasks_per_child=...)`` would do the same in one executor, but
+    CPython 3.12.1 stops scheduling once a worker has exited at its limit: issue 115634, reproduced there.)
 
     ``warm_up``: ``(fn, args)`` each new process runs before its first task (imports, the runner). The first
     processes start with the pool, so they warm up while the caller computes the control; a replacement starts when
