@@ -69,6 +69,17 @@ def worker_init(parent_pid: int) -> None:
 TASKS_PER_PROCESS = 1
 
 
+def _kill_and_join(procs) -> None:
+    """SIGKILL each worker process (``multiprocessing.Process``), then wait up to 5 s for each to be gone."""
+    for proc in procs:
+        try:
+            proc.kill()
+        except (OSError, ValueError):
+            pass
+    for proc in procs:
+        proc.join(timeout=5)
+
+
 class FreshProcessPool:
     """``jobs`` lanes of work, each served by one spawned worker process at a time that is replaced by a new one after
     ``tasks_per_process`` tasks: a task starts from the memory of a fresh process, so the largest process of a run
@@ -180,14 +191,7 @@ class FreshProcessPool:
         with self._lock:
             self._stopped = True
             executors = list(self._executors)
-        procs = [p for ex in executors for p in (getattr(ex, "_processes", None) or {}).values()]
-        for proc in procs:
-            try:
-                proc.kill()
-            except (OSError, ValueError):
-                pass
-        for proc in procs:
-            proc.join(timeout=5)
+        _kill_and_join([p for ex in executors for p in (getattr(ex, "_processes", None) or {}).values()])
         for ex in executors:
             ex.shutdown(wait=False, cancel_futures=True)
         self.shutdown(wait=False, cancel_futures=True)
@@ -205,14 +209,7 @@ def stop_pool(pool) -> None:
     if isinstance(pool, FreshProcessPool):
         pool.kill()
         return
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    for proc in procs:
-        try:
-            proc.kill()
-        except (OSError, ValueError):
-            pass
-    for proc in procs:
-        proc.join(timeout=5)
+    _kill_and_join(list((getattr(pool, "_processes", None) or {}).values()))
     pool.shutdown(wait=False, cancel_futures=True)
 
 
