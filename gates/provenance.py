@@ -75,7 +75,9 @@ def code_bytes(path: pathlib.Path) -> bytes:
 def source_hash(dirs: tuple[str, ...] = SOURCE_DIRS, files: tuple[str, ...] = SOURCE_FILES,
                 extra: list[pathlib.Path] = ()) -> str:
     """sha256 over the code of the .py files of the packages ``nxgates.<dir>`` (sorted; ``code_bytes``: docstrings,
-    comments and layout do not count), ``files`` and ``extra``, names included."""
+    comments and layout do not count), ``files`` and ``extra``, names included: a package's files by their path in
+    the package, ``extra`` (a config's file) by its file name, so that the same tree in another folder, or another
+    clone, has the same key."""
     h = hashlib.sha256()
     paths = []
     roots = {d: pathlib.Path(importlib.import_module(f"nxgates.{d}").__file__).resolve().parent for d in dirs}
@@ -83,7 +85,7 @@ def source_hash(dirs: tuple[str, ...] = SOURCE_DIRS, files: tuple[str, ...] = SO
         paths += [(f"{d}/{p.relative_to(roots[d])}", p) for p in sorted(roots[d].rglob("*.py"))]
     gates_root = pathlib.Path(__file__).resolve().parent
     paths += [(f, gates_root / f.removeprefix("gates/")) for f in files]
-    paths += [(str(p), p) for p in extra]
+    paths += [(f"extra/{pathlib.Path(p).name}", pathlib.Path(p)) for p in extra]
     for name, p in paths:
         if p.is_file():
             h.update(name.encode())

@@ -242,6 +242,23 @@ def test_an_edit_that_changes_no_program_finds_the_record(tmp_path, monkeypatch)
         assert r.shared_record(r.base_flags, "production", "control")[1] == "computed"
 
 
+def test_the_sources_key_names_a_config_file_by_its_name_not_its_folder(tmp_path):
+    """The same config file in two folders (two clones of a tree, a cache shared between checkouts) gives the same
+    key, so a record is read by its sources' key wherever the tree lies; other data or another file name does not."""
+    from nxgates.gates import provenance
+
+    def key(folder, name="tiny.toml", text="[model]\nhidden = 64\n"):
+        path = tmp_path / folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return provenance.source_hash(dirs=(), files=(), extra=[path])
+
+    here = key("checkout-a/fixtures/configs")
+    assert key("elsewhere/b") == here
+    assert key("elsewhere/c", text="[model]\nhidden = 65\n") != here
+    assert key("elsewhere/d", name="smoke.toml") != here
+
+
 def test_the_sources_key_ignores_docstrings_comments_and_layout_not_code(tmp_path):
     """An edit of a docstring, a comment or the layout keeps the sources' key (the record is read, nothing lowered);
     a code edit, or a changed config value, does not."""
