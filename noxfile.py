@@ -6,7 +6,7 @@
     nox -s mutants                      # deliberately wrong variants must fail their gates
     nox -s lint                         # ruff
 
-Sessions install the project into their own virtualenv on Python 3.12 (jax >= 0.12.0.1).
+Sessions install the project into their own virtualenv on Python 3.12 (jax >= 0.12.0.1, < 0.12.1: pyproject.toml).
 """
 
 import nox
