@@ -151,7 +151,37 @@ class Report:
         verdict = "PASS" if self.passed else ("FAIL" if self.status == "complete" else self.status.upper())
         parts += ["", f"{verdict}: {len(self.checks) - n_fail}/{len(self.checks)} checks "
                   f"pass ({self.wall_s:.1f}s)"]
+        parts += [f"  failed: {self.failure_line(c)}" for c in self.checks if not c.passed]
         return "\n".join(parts)
+
+    @staticmethod
+    def failure_line(check) -> str:
+        """One line naming what failed first in a failing check, for the end of the terminal report: where a log
+        keeps only its last lines (a CI job's), the verdict still says which check failed, on which gate and step,
+        against which side and by how much. Per lens, the first failing row (by step, then gate): the metric and the
+        bound it crossed; a precondition failure is named instead."""
+        parts = []
+        for lens, results, problems in (("bf16", check.results, check.problems),
+                                        ("float32 lens", check.lens_results or [],
+                                         getattr(check, "lens_problems", ()))):
+            if problems:
+                parts.append(f"{lens} precondition: {problems[0]}")
+                continue
+            bad = [r for r in results if not r.passed]
+            if not bad:
+                continue
+            r = min(bad, key=lambda r: (r.step, gates_lib.GATES.index(r.gate)))
+            side, value, bound = (("control", r.vs_control, r.bound_control) if not r.passed_control else
+                                  ("reference", r.vs_reference, r.bound_reference))
+            what = (f"bits differ from the control (metric {_fmt(value)})"
+                    if check.spec.contract == "exact" and side == "control" and lens == "bf16"
+                    else f"{_fmt(value)} > bound {_fmt(bound)}")
+            more = len(bad) - 1
+            parts.append(f"{lens} {r.gate} step {r.step} vs {side}: {what}"
+                         + (f" (and {more} more gate-step(s))" if more else ""))
+        if not parts:  # not reached while CheckResult.passed reads only rows and preconditions; never print nothing
+            parts.append("no failing gate row")
+        return f"{check.spec.name} ({check.spec.contract}): " + "; ".join(parts)
 
     def to_markdown(self) -> str:
         parts = [f"**{self.status_line()}**", "", f"# nxgates report: config `{self.config}`", "",
