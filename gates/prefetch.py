@@ -274,7 +274,9 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
     The workers start with the control: they import jax and the model and build their runner meanwhile. Every other
     record replays the control's routing, so they are given their records as soon as the control's steps have run
     (``run_protocol``'s ``on_steps``), while this process computes the control's summaries and stores it; a candidate
-    that needs the control's record waits for it (``RecordCache.lock``)."""
+    that needs the control's record waits for it (``RecordCache.lock``). A record or candidate that this tree's
+    sources already name in the cache (``Runner.stored_by_source``) goes to no worker: its check reads it; with the
+    control stored too, a run whose records are all stored starts no worker process."""
     api_factory = api_factory or DEFAULT_API_FACTORY
     base = runner.api.as_dict(runner.base_flags)
     jobs_list = [(None, "reference", runner.base_flags, "reference")]
@@ -293,19 +295,32 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
     xla_dir = active_compilation_cache_dir()
     futures: dict = {}
     submitted: list = []  # one entry once the jobs are submitted
-    # each worker process builds its runner (imports, config, batch) before its record: the first two while the
-    # control is computed here
-    pool = worker_pool(jobs, warm_up=(_warm_up, (runner.config_name, settings, cache_dir, api_factory, xla_dir)))
+    pools: list = []
+
+    def start_pool():
+        # each worker process builds its runner (imports, config, batch) before its record: the first two while the
+        # control is computed here
+        pools.append(worker_pool(jobs, warm_up=(_warm_up, (runner.config_name, settings, cache_dir, api_factory,
+                                                           xla_dir))))
+
+    if not runner.stored_by_source(runner.base_flags, "production"):
+        start_pool()  # the control is computed here: the workers start with it
 
     def submit(replay):
         if submitted:
             return
         submitted.append(replay)
-        runner.progress(f"[{time.perf_counter() - runner.t0:7.1f}s] prefetch: {len(jobs_list)} records in {jobs} "
-                        "worker processes")
-        for ov, label, flags, precision in jobs_list:
-            fut = pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label, replay, api_factory,
-                              xla_dir, precision)
+        # a record or candidate this tree's sources already name in the cache is read by its check; a worker process
+        # for it would cost a process start and a runner build (about 1.3 s on tiny) to read it (docs/speed.md)
+        todo = [(ov, label, flags, precision) for ov, label, flags, precision in jobs_list
+                if not runner.stored_by_source(flags, precision, replay, candidate=bool(ov))]
+        runner.progress(f"[{time.perf_counter() - runner.t0:7.1f}s] prefetch: {len(todo)} records in {jobs} "
+                        f"worker processes ({len(jobs_list) - len(todo)} stored already)")
+        if todo and not pools:
+            start_pool()
+        for ov, label, flags, precision in todo:
+            fut = pools[0].submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label, replay,
+                                  api_factory, xla_dir, precision)
             futures[fut] = (label, record_lib.key_digest(runner.key_parts(flags, precision, replay)))
 
     try:
@@ -322,6 +337,8 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
             except Exception as e:  # the check recomputes it; nothing is trusted from a failed worker
                 runner.progress(f"prefetch: {label} failed in its worker ({type(e).__name__}: {e}); computed later")
     except BaseException:  # Ctrl-C, or anything else: no worker keeps computing for a run that is over
-        stop_pool(pool)
+        for pool in pools:
+            stop_pool(pool)
         raise
-    pool.shutdown(wait=True)
+    for pool in pools:
+        pool.shutdown(wait=True)

@@ -362,6 +362,36 @@ class Runner:
         self._program_keys[digest] = record_lib.key_digest(found["parts"])
         return rec, how
 
+    def _program_key_by_source(self, flags, precision: str, replay=None) -> dict | None:
+        """The program key ``by-source/`` names for this tree's sources' key of the record (None: not named)."""
+        alias = self._alias_path(record_lib.key_digest(self.key_parts(flags, precision, replay)))
+        try:
+            return json.loads(alias.read_text())["program_key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def stored_by_source(self, flags, precision: str, replay=None, *, candidate: bool = False) -> bool:
+        """Whether this tree's sources' key finds a stored entry without building anything: the record of ``flags``
+        at ``precision`` replaying ``replay``, or (``candidate``) the candidate's digests against its control (the
+        config's, at ``precision``) and the float32 reference. Only that the files exist: a caller that reads the
+        entry still verifies it (``_cached_or_computed``, ``_cached_candidate``) and computes it when it is damaged.
+        ``prefetch`` asks it so that a run whose records are stored starts no worker process for them."""
+        if not self.use_cache:
+            return False
+        parts = self._program_key_by_source(flags, precision, replay)
+        if parts is None:
+            return False
+        if not candidate:
+            return (self.cache.path(parts) / record_lib.ENTRY_CHECKSUM).is_file()
+        control = self._program_key_by_source(self.base_flags, precision,
+                                              replay if precision != "production" else None)
+        reference = self._program_key_by_source(self.base_flags, "reference", replay)
+        if control is None or reference is None:
+            return False
+        entry = candidates_lib.entry_key(record_lib.key_digest(parts), record_lib.key_digest(control),
+                                         record_lib.key_digest(reference))
+        return candidates_lib.entry_path(self.cache.root, entry).is_file()
+
     def _profile(self, label: str, obtained: tuple[record_lib.RunRecord, str], t: float, c: float) -> None:
         """A ``gates.profile.row`` for a record obtained since wall clock ``t`` and process CPU time ``c``."""
         rec, how = obtained
