@@ -295,18 +295,18 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
     xla_dir = active_compilation_cache_dir()
     futures: dict = {}
     submitted: list = []  # one entry once the jobs are submitted
-    pools: list = []
+    pool = None
 
     def start_pool():
         # each worker process builds its runner (imports, config, batch) before its record: the first two while the
         # control is computed here
-        pools.append(worker_pool(jobs, warm_up=(_warm_up, (runner.config_name, settings, cache_dir, api_factory,
-                                                           xla_dir))))
+        return worker_pool(jobs, warm_up=(_warm_up, (runner.config_name, settings, cache_dir, api_factory, xla_dir)))
 
     if not runner.stored_by_source(runner.base_flags, "production"):
-        start_pool()  # the control is computed here: the workers start with it
+        pool = start_pool()  # the control is computed here: the workers start with it
 
     def submit(replay):
+        nonlocal pool
         if submitted:
             return
         submitted.append(replay)
@@ -316,10 +316,10 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
                 if not runner.stored_by_source(flags, precision, replay, candidate=bool(ov))]
         runner.progress(f"[{time.perf_counter() - runner.t0:7.1f}s] prefetch: {len(todo)} records in {jobs} "
                         f"worker processes ({len(jobs_list) - len(todo)} stored already)")
-        if todo and not pools:
-            start_pool()
+        if todo and pool is None:
+            pool = start_pool()
         for ov, label, flags, precision in todo:
-            fut = pools[0].submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label, replay,
+            fut = pool.submit(_prefetch_one, runner.config_name, settings, cache_dir, ov, label, replay,
                                   api_factory, xla_dir, precision)
             futures[fut] = (label, record_lib.key_digest(runner.key_parts(flags, precision, replay)))
 
@@ -337,8 +337,8 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
             except Exception as e:  # the check recomputes it; nothing is trusted from a failed worker
                 runner.progress(f"prefetch: {label} failed in its worker ({type(e).__name__}: {e}); computed later")
     except BaseException:  # Ctrl-C, or anything else: no worker keeps computing for a run that is over
-        for pool in pools:
+        if pool is not None:
             stop_pool(pool)
         raise
-    for pool in pools:
+    if pool is not None:
         pool.shutdown(wait=True)

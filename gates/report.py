@@ -179,8 +179,6 @@ class Report:
             more = len(bad) - 1
             parts.append(f"{lens} {r.gate} step {r.step} vs {side}: {what}"
                          + (f" (and {more} more gate-step(s))" if more else ""))
-        if not parts:  # not reached while CheckResult.passed reads only rows and preconditions; never print nothing
-            parts.append("no failing gate row")
         return f"{check.spec.name} ({check.spec.contract}): " + "; ".join(parts)
 
     def to_markdown(self) -> str:

@@ -314,6 +314,13 @@ class Runner:
     def _alias_path(self, digest: str) -> pathlib.Path:
         return pathlib.Path(self.cache.root) / "by-source" / f"{digest}.json"
 
+    def _named_program_key(self, digest: str) -> dict | None:
+        """The program key ``by-source/<digest>.json`` names (None: no name, or one that cannot be read)."""
+        try:
+            return json.loads(self._alias_path(digest).read_text())["program_key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def _cached_or_computed(self, digest: str, flags, precision: str, label: str, replay, on_steps=None):
         """(record, how) through the record cache. The record is stored under its program's key
         (``program_key_parts``); ``by-source/<digest>.json`` names that key for ``digest`` (the sources' key,
@@ -321,10 +328,7 @@ class Runner:
         changes no program the lowered program finds it (one trace and lowering, no compile, no run)."""
         alias = self._alias_path(digest)
         how = "computed"
-        try:
-            program_parts = json.loads(alias.read_text())["program_key"]
-        except (OSError, ValueError, KeyError, TypeError):
-            program_parts = None
+        program_parts = self._named_program_key(digest)
         if program_parts is not None:
             try:
                 rec = self.cache.load(program_parts)
@@ -364,11 +368,7 @@ class Runner:
 
     def _program_key_by_source(self, flags, precision: str, replay=None) -> dict | None:
         """The program key ``by-source/`` names for this tree's sources' key of the record (None: not named)."""
-        alias = self._alias_path(record_lib.key_digest(self.key_parts(flags, precision, replay)))
-        try:
-            return json.loads(alias.read_text())["program_key"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        return self._named_program_key(record_lib.key_digest(self.key_parts(flags, precision, replay)))
 
     def stored_by_source(self, flags, precision: str, replay=None, *, candidate: bool = False) -> bool:
         """Whether this tree's sources' key finds a stored entry without building anything: the record of ``flags``
@@ -510,10 +510,7 @@ class Runner:
 
         keyed = control_program is not None and reference_program is not None
         alias = self._alias_path(digest)
-        try:
-            program_parts = json.loads(alias.read_text())["program_key"]
-        except (OSError, ValueError, KeyError, TypeError):
-            program_parts = None
+        program_parts = self._named_program_key(digest)
         if keyed and program_parts is not None:
             try:
                 summary = candidates_lib.load(root, entry(program_parts))
