@@ -1,8 +1,9 @@
 """The whole model on the 8-device mesh: exact flags bit-identical (and really a different program), the sharded model
 against one device, the production precision against the float32 reference, the dispatch record, bad input.
 
-Run: ``python -m pytest tests/model/test_transformer.py -q`` (seven compiled forward + backward programs, shared by the
-tests through a cache).
+Run: ``python -m pytest tests/model/test_transformer.py -q`` (six compiled forward + backward programs, shared by the
+tests through a cache; each takes the routing replay as inputs, as the gates' program does, so the replay test runs
+the control's).
 
 Shapes: the tiny config reduced (hidden 64, seq 64, vocab 128, head dims 16, GDN chunk 16) with the layer pattern
 shortened to one GDN and one attention layer (every kind of layer, half the program of tiny's three GDN layers and one
@@ -63,22 +64,38 @@ class Run:
 
 
 @functools.cache
-def run(overrides: tuple = (), precision: str = "production") -> Run:
-    """Compile and run ``value_and_grad(mean logp)`` once per (flags, precision); cached for the module's tests."""
+def _program(overrides: tuple = (), precision: str = "production"):
+    """``(log_probs, lowered, compiled, impls)`` of ``value_and_grad(mean logp)`` in the gates' form: the routing
+    replay's ids and switch are inputs (``on`` false: no replay), so one compiled program serves a plain run and a
+    replay (gates/protocol.py); compiled once per (flags, precision) for the module's tests."""
     cfg = small_cfg()
     flags = rules.flags_for(cfg, dict(overrides))
-    mesh = sharding.make_mesh(flags)
+    log_probs = transformer.build_log_probs(cfg, flags, precision=precision, mesh=sharding.make_mesh(flags))
+
+    def step(p, t, ids, on):
+        def loss(p):
+            logp, aux = log_probs(p, t, (ids, on))
+            return jnp.mean(logp), (logp, aux)
+
+        (_, (logp, aux)), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        return logp, grads, aux
+
     params, tokens = _inputs()
-    log_probs = transformer.build_log_probs(cfg, flags, precision=precision, mesh=mesh)
-
-    def loss(p, t):
-        logp, aux = log_probs(p, t)
-        return jnp.mean(logp), (logp, aux)
-
-    lowered = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, tokens)
+    lowered = jax.jit(step).lower(params, tokens, *_no_replay(log_probs))
     impls = log_probs.implementations()
-    compiled = lowered.compile()
-    (_, (logp, aux)), grads = compiled(params, tokens)
+    return log_probs, lowered, lowered.compile(), impls
+
+
+def _no_replay(log_probs):
+    return jnp.zeros(log_probs.routing_shape, jnp.int32), jnp.bool_(False)
+
+
+@functools.cache
+def run(overrides: tuple = (), precision: str = "production") -> Run:
+    """Run ``_program`` once per (flags, precision) without replay; cached for the module's tests."""
+    log_probs, lowered, compiled, impls = _program(overrides, precision)
+    params, tokens = _inputs()
+    logp, grads, aux = compiled(params, tokens, *_no_replay(log_probs))
     return Run(np.asarray(logp), jax.tree_util.tree_map(np.asarray, grads), int(aux["dropped_tokens"]),
                lowered.as_text(), compiled.as_text(), impls)
 
@@ -194,19 +211,13 @@ def test_routing_replay_of_own_choice_is_bit_identical_and_of_another_changes_th
     log-probs and gradients, no mismatch), replay of a shifted routing (every token on other experts: the log-probs move
     and the mismatches are counted)."""
     cfg = small_cfg()
-    flags = rules.flags_for(cfg)
-    log_probs = transformer.build_log_probs(cfg, flags, precision="production", mesh=sharding.make_mesh(flags))
+    log_probs, _, compiled, _ = _program()  # the control's program the exact-flag tests compile too
     params, tokens = _inputs()
     shape = log_probs.routing_shape
     assert shape == (2, 2, cfg.batch_size, cfg.seq_len, cfg.top_k)
 
-    @jax.jit
     def step(p, ids, on):
-        def loss(p):
-            logp, aux = log_probs(p, tokens, (ids, on))
-            return jnp.mean(logp), (logp, aux)
-
-        (_, (logp, aux)), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        logp, grads, aux = compiled(p, tokens, ids, on)
         return logp, grads, aux["routing"], aux["routing_mismatch"]
 
     logp0, grads0, used0, mism0 = step(params, jnp.zeros(shape, jnp.int32), jnp.bool_(False))
