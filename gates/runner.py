@@ -472,21 +472,27 @@ class Runner:
         (as its digests: re-running a check after a tolerance edit costs no model run); a mutated one (override, loss)
         never goes near the cache, and ``context`` is entered around its trace alone."""
         ctrl_replay = replay if control[1] != "production" else None
-        ctrl_rec, _ = self.shared_record(control[0], control[1], f"control ({label})", ctrl_replay)
-        ref_rec, _ = self.shared_record(control_flags, "reference", f"reference ({label})", replay)
+
+        def records():  # the full control and reference: read (or computed) where the digests must be formed
+            return (self.shared_record(control[0], control[1], f"control ({label})", ctrl_replay)[0],
+                    self.shared_record(control_flags, "reference", f"reference ({label})", replay)[0])
+
         if context is None and loss_fn is protocol.grpo_loss and self.use_cache:
             k = record_lib.key_digest(self.key_parts(flags, precision, replay))
             kc = record_lib.key_digest(self.key_parts(control[0], control[1], ctrl_replay))
             kr = record_lib.key_digest(self.key_parts(control_flags, "reference", replay))
+            if self._stored_program_key(kc) is None or self._stored_program_key(kr) is None:
+                records()  # not stored under this tree's names yet: obtain them first (computed, waited for or found)
             t, c = time.perf_counter(), time.process_time()
             with self.cache.lock(k):  # another process computing it: wait, then read it
-                summary, how = self._cached_candidate(k, flags, precision, label, replay, ctrl_rec, ref_rec,
-                                                      self._program_keys.get(kc), self._program_keys.get(kr))
+                summary, how = self._cached_candidate(k, flags, precision, label, replay, records,
+                                                      self._stored_program_key(kc), self._stored_program_key(kr))
             if how == "cached" and k in self.prefetched:  # a worker of this run put it there: say how it got it
                 how = f"{self.prefetched[k]} (by a prefetch worker of this run)"
             self.profile.append(profile_lib.row(label, how, summary.metadata, time.perf_counter() - t,
                                                 time.process_time() - c))
             return summary, how
+        ctrl_rec, ref_rec = records()
         tc = time.perf_counter(), time.process_time()
         if context is not None and not hasattr(context, "__enter__"):
             context = context()  # a factory: a fresh context for each trace (the bf16 candidate, then the lens)
@@ -495,13 +501,27 @@ class Runner:
         self._profile(label, (rec, "computed"), *tc)
         return candidates_lib.CandidateSummary.of(rec, ctrl_rec, ref_rec), "computed"
 
-    def _cached_candidate(self, digest: str, flags, precision: str, label: str, replay, control, reference,
+    def _stored_program_key(self, digest: str) -> str | None:
+        """The program key (its digest) of the record whose sources' key is ``digest``: as this process obtained it,
+        or as this tree's by-source name gives it where that entry is stored (None: neither). A candidate's entry is
+        keyed by its control's and its reference's program keys, so finding it needs their keys, not their
+        records."""
+        if digest in self._program_keys:
+            return self._program_keys[digest]
+        parts = self._named_program_key(digest)
+        if parts is None or not (self.cache.path(parts) / record_lib.ENTRY_CHECKSUM).is_file():
+            return None
+        return record_lib.key_digest(parts)
+
+    def _cached_candidate(self, digest: str, flags, precision: str, label: str, replay, records,
                           control_program: str | None, reference_program: str | None):
         """(summary, how) of a plain candidate through the cache: ``by-source/<digest>.json`` names its program key
         (as for a record, ``_cached_or_computed``); its entry is keyed by that and the control's and the reference's
         program keys (``gates.candidates.entry_key``). After an edit that changes no program, the lowered program
-        finds the entry (one trace and lowering, no compile, no run). A control or reference obtained without the
-        cache (``--no-cache``) has no program key: the candidate is then computed and not stored."""
+        finds the entry (one trace and lowering, no compile, no run). ``records()`` gives the full control and
+        reference; it is called only where the digests are formed, so a prefetch worker that finds the candidate reads
+        neither record (about 1 s of CPU on tiny). A control or reference obtained without the cache (``--no-cache``)
+        has no program key: the candidate is then computed and not stored."""
         root = self.cache.root
         how = "computed"
 
@@ -550,11 +570,11 @@ class Runner:
         if "hit" in found:
             summary, how = found["hit"], "cached (the same program and inputs)"
         elif "record" in found:
-            summary, how = candidates_lib.CandidateSummary.of(rec, control, reference), "cached (its full record)"
+            summary, how = candidates_lib.CandidateSummary.of(rec, *records()), "cached (its full record)"
             candidates_lib.store(root, entry(found["parts"]), summary)
         else:
             how = found.get("how", how)
-            summary = candidates_lib.CandidateSummary.of(rec, control, reference)
+            summary = candidates_lib.CandidateSummary.of(rec, *records())
             if keyed:
                 candidates_lib.store(root, entry(found["parts"]), summary)
         if keyed:

@@ -51,3 +51,39 @@ def test_stored_records_go_to_no_worker_and_a_missing_one_alone_does(tmp_path, m
     assert len(pools) == 1
     assert any("prefetch: 1 records in 2 worker processes" in m for m in msgs), msgs
     assert _numbers(third) == _numbers(first)
+
+
+def test_a_worker_that_finds_its_candidate_reads_neither_full_record(tmp_path):
+    """A prefetch worker's ``candidate_summary``: where the candidate's digests are in the cache (named for this tree,
+    or found by the lowered program after an edit that changes no program), it reads neither the control's nor the
+    reference's full record (their program keys find the entry); where they are not, it reads both to form them. The
+    same numbers every way."""
+    from nxgates.gates import contracts, runner
+    from nxgates.gates import record as record_lib
+
+    def fresh():  # a runner as a worker process builds it
+        return runner.Runner("toy", api=toy_model.api(), cache=record_lib.RecordCache(str(tmp_path)), progress=None,
+                             lens=False)
+
+    r0 = fresh()
+    spec = contracts.build_check("f", {"moe_wi_gmm_fused_swiglu": True}, r0.api.as_dict(r0.base_flags), r0.closure)
+    r0.run_check(spec)
+    control_flags, candidate_flags = r0.resolve(spec)
+    replay = runner.control_routing(r0.shared_record(control_flags, "production", "control")[0])
+
+    def worker():
+        r = fresh()
+        summary, how = r.candidate_summary(candidate_flags, "production", "candidate[f]", replay)
+        numbers = {k: v for k, v in summary.to_json().items() if k != "metadata"}  # metadata: the run's timings too
+        return r, json.dumps(numbers, sort_keys=True), how
+
+    r, named, how = worker()
+    assert how == "cached" and r._records == {}, (how, list(r._records))
+    r._alias_path(record_lib.key_digest(r.key_parts(candidate_flags, "production", replay))).unlink()
+    r, by_program, how = worker()  # the candidate's name gone, as after an edit: its lowered program finds it
+    assert how == "cached (the same program and inputs)" and r._records == {}, (how, list(r._records))
+    for entry in (tmp_path / "candidates").glob("*.json"):
+        entry.unlink()
+    r, computed, how = worker()
+    assert how == "computed" and len(r._records) == 2, (how, list(r._records))
+    assert named == by_program == computed
