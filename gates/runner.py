@@ -366,10 +366,6 @@ class Runner:
         self._program_keys[digest] = record_lib.key_digest(found["parts"])
         return rec, how
 
-    def _program_key_by_source(self, flags, precision: str, replay=None) -> dict | None:
-        """The program key ``by-source/`` names for this tree's sources' key of the record (None: not named)."""
-        return self._named_program_key(record_lib.key_digest(self.key_parts(flags, precision, replay)))
-
     def stored_by_source(self, flags, precision: str, replay=None, *, candidate: bool = False) -> bool:
         """Whether this tree's sources' key finds a stored entry without building anything: the record of ``flags``
         at ``precision`` replaying ``replay``, or (``candidate``) the candidate's digests against its control (the
@@ -378,18 +374,17 @@ class Runner:
         ``prefetch`` asks it so that a run whose records are stored starts no worker process for them."""
         if not self.use_cache:
             return False
-        parts = self._program_key_by_source(flags, precision, replay)
-        if parts is None:
-            return False
+        digest = record_lib.key_digest(self.key_parts(flags, precision, replay))
         if not candidate:
-            return (self.cache.path(parts) / record_lib.ENTRY_CHECKSUM).is_file()
-        control = self._program_key_by_source(self.base_flags, precision,
-                                              replay if precision != "production" else None)
-        reference = self._program_key_by_source(self.base_flags, "reference", replay)
-        if control is None or reference is None:
+            return self._stored_program_key(digest) is not None
+        parts = self._named_program_key(digest)
+        control = self._stored_program_key(record_lib.key_digest(
+            self.key_parts(self.base_flags, precision, replay if precision != "production" else None)))
+        reference = self._stored_program_key(record_lib.key_digest(self.key_parts(self.base_flags, "reference",
+                                                                                  replay)))
+        if parts is None or control is None or reference is None:
             return False
-        entry = candidates_lib.entry_key(record_lib.key_digest(parts), record_lib.key_digest(control),
-                                         record_lib.key_digest(reference))
+        entry = candidates_lib.entry_key(record_lib.key_digest(parts), control, reference)
         return candidates_lib.entry_path(self.cache.root, entry).is_file()
 
     def _profile(self, label: str, obtained: tuple[record_lib.RunRecord, str], t: float, c: float) -> None:
@@ -514,24 +509,23 @@ class Runner:
         return record_lib.key_digest(parts)
 
     def _cached_candidate(self, digest: str, flags, precision: str, label: str, replay, records,
-                          control_program: str | None, reference_program: str | None):
+                          control_program: str, reference_program: str):
         """(summary, how) of a plain candidate through the cache: ``by-source/<digest>.json`` names its program key
         (as for a record, ``_cached_or_computed``); its entry is keyed by that and the control's and the reference's
         program keys (``gates.candidates.entry_key``). After an edit that changes no program, the lowered program
         finds the entry (one trace and lowering, no compile, no run). ``records()`` gives the full control and
         reference; it is called only where the digests are formed, so a prefetch worker that finds the candidate reads
-        neither record (about 1 s of CPU on tiny). A control or reference obtained without the cache (``--no-cache``)
-        has no program key: the candidate is then computed and not stored."""
+        neither record (about 1 s of CPU on tiny). ``_candidate`` obtains both program keys first (with the cache
+        on, every control and reference has one)."""
         root = self.cache.root
         how = "computed"
 
         def entry(program_parts):
             return candidates_lib.entry_key(record_lib.key_digest(program_parts), control_program, reference_program)
 
-        keyed = control_program is not None and reference_program is not None
         alias = self._alias_path(digest)
         program_parts = self._named_program_key(digest)
-        if keyed and program_parts is not None:
+        if program_parts is not None:
             try:
                 summary = candidates_lib.load(root, entry(program_parts))
                 self.progress(f"{label}: cached (candidate {record_lib.key_digest(entry(program_parts))})")
@@ -545,8 +539,6 @@ class Runner:
 
         def lookup(fn, program_sha256):
             found["parts"] = parts = self.program_key_parts(fn, program_sha256, flags, precision, replay)
-            if not keyed:
-                return None
             try:
                 summary = candidates_lib.load(root, entry(parts))
                 found["hit"] = summary
@@ -575,10 +567,8 @@ class Runner:
         else:
             how = found.get("how", how)
             summary = candidates_lib.CandidateSummary.of(rec, *records())
-            if keyed:
-                candidates_lib.store(root, entry(found["parts"]), summary)
-        if keyed:
-            atomic.write_json_atomic(alias, {"program_key": found["parts"]})
+            candidates_lib.store(root, entry(found["parts"]), summary)
+        atomic.write_json_atomic(alias, {"program_key": found["parts"]})
         return summary, how
 
     def base_control(self) -> tuple[record_lib.RunRecord, str] | None:
