@@ -9,12 +9,49 @@
 Sessions install the project into their own virtualenv on Python 3.12 (jax >= 0.12.0.1, < 0.12.1: pyproject.toml).
 """
 
+import glob
+import os
+import shutil
+import subprocess
+
 import nox
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
+# A session whose interpreter is missing fails (nox would skip it and exit 0 outside CI: a blocking check that passes
+# without checking anything).
+nox.options.error_on_missing_interpreters = True
 
-PYTHON = "3.12"
+
+def _runs_312(exe: str) -> bool:
+    try:
+        out = subprocess.run([exe, "-c", "import sys; print(sys.version_info[:2] == (3, 12))"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and out.stdout.strip() == "True"
+
+
+def python312() -> str:
+    """The Python 3.12 the sessions build their virtualenvs from: ``python3.12`` where it runs, else the newest 3.12.x
+    that pyenv has installed (a pyenv shim refuses ``python3.12`` where another version is selected, and nox would not
+    find it); "3.12" where there is neither, so that nox reports it missing."""
+    exe = shutil.which("python3.12")
+    if exe and _runs_312(exe):
+        return exe
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    def patch(exe: str) -> int:  # <root>/versions/3.12.N/bin/python3.12 -> N (0 for a pre-release such as 3.12.0rc1)
+        n = os.path.basename(os.path.dirname(os.path.dirname(exe))).split(".")[-1]
+        return int(n) if n.isdigit() else 0
+
+    for exe in sorted(glob.glob(os.path.join(root, "versions", "3.12.*", "bin", "python3.12")), key=patch,
+                      reverse=True):
+        if _runs_312(exe):
+            return exe
+    return "3.12"
+
+
+PYTHON = python312()
 
 
 @nox.session(python=PYTHON)
