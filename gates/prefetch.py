@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -99,13 +100,21 @@ class FreshProcessPool:
     ``warm_up``: ``(fn, args)`` each new process runs before its first task (imports, the runner). The first
     processes start with the pool, so they warm up while the caller computes the control; a replacement starts when
     its lane's next task is there (none is started for nothing at the end of a run).
+
+    ``light``: a predicate on a task's result; a task whose result it holds true does not count against
+    ``tasks_per_process`` (its process serves the lane's next task too). The prefetch marks a record it found without
+    compiling anything (read by name, or found by its program after one trace and lowering): such a task leaves a few
+    megabytes behind, not a compile's heap (docs/speed.md), so a fresh process for the next one would cost its start
+    and the runner's build for nothing.
     """
 
-    def __init__(self, jobs: int, *, tasks_per_process: int = TASKS_PER_PROCESS, warm_up: tuple | None = None):
+    def __init__(self, jobs: int, *, tasks_per_process: int = TASKS_PER_PROCESS, warm_up: tuple | None = None,
+                 light: Callable[[object], bool] | None = None):
         if jobs < 1 or tasks_per_process < 1:
             raise ValueError(f"jobs={jobs!r}, tasks_per_process={tasks_per_process!r}: both must be >= 1")
         self._tasks_per_process = tasks_per_process
         self._warm_up = warm_up
+        self._light = light
         self._parent = os.getpid()
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -153,11 +162,14 @@ class FreshProcessPool:
                 continue
             if not outer.set_running_or_notify_cancel():  # the caller cancelled it
                 continue
+            light = False
             try:
-                outer.set_result(ex.submit(fn, *args).result())
+                result = ex.submit(fn, *args).result()
+                light = self._light is not None and bool(self._light(result))
+                outer.set_result(result)
             except BaseException as e:  # noqa: BLE001 - the task's error (a dead worker's too) goes to its future
                 outer.set_exception(e)
-            done += 1
+            done += 0 if light else 1
             if done >= self._tasks_per_process or isinstance(outer.exception(), concurrent.futures.BrokenExecutor):
                 self._retire(ex)  # the next task of this lane starts a new process
                 ex, done = None, 0
@@ -197,10 +209,17 @@ class FreshProcessPool:
         self.shutdown(wait=False, cancel_futures=True)
 
 
-def worker_pool(jobs: int, *, warm_up: tuple | None = None) -> FreshProcessPool:
+def worker_pool(jobs: int, *, warm_up: tuple | None = None,
+                light: Callable[[object], bool] | None = None) -> FreshProcessPool:
     """``jobs`` lanes of spawned worker processes that die with this process (``worker_init``), a fresh process per
-    task (``FreshProcessPool``)."""
-    return FreshProcessPool(jobs, warm_up=warm_up)
+    task, or after a ``light`` one, the same (``FreshProcessPool``)."""
+    return FreshProcessPool(jobs, warm_up=warm_up, light=light)
+
+
+def compiled_nothing(result: tuple[str, dict]) -> bool:
+    """Of a ``_prefetch_one`` result: the worker obtained its record without compiling a program (its ``how`` starts
+    with "cached": read by name, or found by its lowered program), so its process may take the next record."""
+    return result[0].startswith("cached")
 
 
 def stop_pool(pool) -> None:
@@ -255,12 +274,14 @@ def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides:
         how = r.shared_record(r.base_flags, precision, label, replay)[1]
     else:  # a candidate: its digests against the control and the reference (read, or waited for, from the cache)
         how = r.candidate_summary(r.flags_from(overrides), precision, label, replay)[1]
-    # A process that serves more than one task (``FreshProcessPool(tasks_per_process=...)``) keeps the control, the
-    # reference and the lens's control (every candidate reads them) and a candidate's digests only; its programs are
-    # dropped (jax's in-memory caches keep every executable and trace otherwise); the next record reads the shared
-    # programs (the optimizer's, the summaries') back from the persistent compilation cache.
+    # A process that serves another task (after a light one, or with ``tasks_per_process`` above 1) starts it holding
+    # neither the full records it read (the control, the reference, the lens's control: about 136 MB each on tiny; a
+    # candidate reads them again, as a fresh process would, after its compile and run) nor its programs (jax's
+    # in-memory caches keep every executable and trace otherwise); the next record reads the shared programs (the
+    # optimizer's, the summaries') back from the persistent compilation cache.
+    r.drop_records()
     jax.clear_caches()
-    return how, r.profile[-1]
+    return how, {**r.profile[-1], "process": os.getpid()}
 
 
 def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_factory: str | None = None) -> None:
@@ -300,7 +321,8 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
     def start_pool():
         # each worker process builds its runner (imports, config, batch) before its record: the first two while the
         # control is computed here
-        return worker_pool(jobs, warm_up=(_warm_up, (runner.config_name, settings, cache_dir, api_factory, xla_dir)))
+        return worker_pool(jobs, warm_up=(_warm_up, (runner.config_name, settings, cache_dir, api_factory, xla_dir)),
+                           light=compiled_nothing)
 
     if not runner.stored_by_source(runner.base_flags, "production"):
         pool = start_pool()  # the control is computed here: the workers start with it

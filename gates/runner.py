@@ -571,6 +571,11 @@ class Runner:
         atomic.write_json_atomic(alias, {"program_key": found["parts"]})
         return summary, how
 
+    def drop_records(self) -> None:
+        """Forget the full records this runner holds (a later use reads them again from the cache): a prefetch worker
+        that takes another task does not carry them through that task's compile."""
+        self._records.clear()
+
     def base_control(self) -> tuple[record_lib.RunRecord, str] | None:
         """The config's own control if this runner has it (for the golden comparison)."""
         k = record_lib.key_digest(self.key_parts(self.base_flags, "production"))

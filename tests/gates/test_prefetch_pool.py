@@ -70,6 +70,17 @@ def test_tasks_per_process_bounds_the_reuse_and_can_fail():
     assert len(set(pids)) == 2 and all(pids.count(p) == 2 for p in pids), pids
 
 
+def test_a_light_task_keeps_its_process_for_the_next():
+    """``light``: a task whose result it holds true does not count against ``tasks_per_process``; the next task of
+    its lane runs in the same process, and a task after a heavy one in a new process."""
+    pool = prefetch.FreshProcessPool(1, light=lambda out: out[0] in (0, 1))
+    try:
+        pids = [pid for _, pid, _ in _run(pool, task, range(5))]
+    finally:
+        pool.shutdown(wait=True)
+    assert pids[0] == pids[1] == pids[2] and len({pids[2], pids[3], pids[4]}) == 3, pids
+
+
 def test_a_dead_worker_fails_its_task_only():
     pool = prefetch.FreshProcessPool(1)
     try:

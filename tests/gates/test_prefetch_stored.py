@@ -15,9 +15,9 @@ from nxgates.gates import prefetch, suite
 from tests.gates import toy_model
 
 
-def _run(cache_dir, messages):
+def _run(cache_dir, messages, profile=None):
     return suite.check("toy", None, api=toy_model.api(), api_factory="tests.gates.toy_model:api", jobs=2,
-                       cache_dir=str(cache_dir), progress=messages.append, explain=False)
+                       cache_dir=str(cache_dir), progress=messages.append, explain=False, profile=profile)
 
 
 def _numbers(report) -> str:
@@ -87,3 +87,22 @@ def test_a_worker_that_finds_its_candidate_reads_neither_full_record(tmp_path):
     r, computed, how = worker()
     assert how == "computed" and len(r._records) == 2, (how, list(r._records))
     assert named == by_program == computed
+
+
+def test_workers_that_compile_nothing_take_the_next_record_in_the_same_process(tmp_path):
+    """After an edit that changes no program (here: the tree's names removed from the cache), every worker finds its
+    record by its lowered program and compiles nothing, so its process takes the lane's next record
+    (``prefetch.compiled_nothing``) instead of a fresh process per record; the same numbers. A cold run's workers,
+    which compile, still use a process per record."""
+    profile: list = []
+    first = _run(tmp_path, [], profile)
+    cold = [row for row in profile if row["record"].endswith("(worker)")]
+    assert len(cold) >= 4 and len({row["process"] for row in cold}) == len(cold), [r["process"] for r in cold]
+    for name in (tmp_path / "by-source").glob("*.json"):
+        name.unlink()
+    profile = []
+    again = _run(tmp_path, [], profile)
+    rows = [row for row in profile if row["record"].endswith("(worker)")]
+    assert len(rows) == len(cold) and all(row["how"].startswith("cached") for row in rows), [r["how"] for r in rows]
+    assert len({row["process"] for row in rows}) <= 2, [row["process"] for row in rows]  # jobs=2: one per lane
+    assert _numbers(again) == _numbers(first)
