@@ -284,7 +284,8 @@ def _prefetch_one(config: str, settings: dict, cache_dir: str | None, overrides:
     return how, {**r.profile[-1], "process": os.getpid()}
 
 
-def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_factory: str | None = None) -> None:
+def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_factory: str | None = None,
+             on_ready: Callable[[int], None] | None = None) -> None:
     """Compute the control here, then the reference, the lens's control and every candidate of ``specs`` (in that
     order: a candidate's digests read the first two) in ``jobs`` worker processes, into the record cache (XLA
     compiles mostly on one core). Only the candidates with a
@@ -297,21 +298,42 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
     (``run_protocol``'s ``on_steps``), while this process computes the control's summaries and stores it; a candidate
     that needs the control's record waits for it (``RecordCache.lock``). A record or candidate that this tree's
     sources already name in the cache (``Runner.stored_by_source``) goes to no worker: its check reads it; with the
-    control stored too, a run whose records are all stored starts no worker process."""
+    control stored too, a run whose records are all stored starts no worker process.
+
+    ``on_ready(n)``: called here each time a worker's record is in, with the number of leading ``specs`` whose records
+    are all in the cache (the control, the reference, the candidate, and in the lens the lens's control and candidate),
+    so that the caller can run those checks while the workers compute the rest (``gates.suite.check`` gives each
+    verdict as soon as its records are in). A spec whose control is not the config's is never counted: its check
+    computes its own records after the workers. A record whose worker failed is not counted either: its check computes
+    it later."""
     api_factory = api_factory or DEFAULT_API_FACTORY
     base = runner.api.as_dict(runner.base_flags)
     jobs_list = [(None, "reference", runner.base_flags, "reference")]
     lens = runner.lens and any(spec.contract == "rounding" for spec in specs)
     if lens:  # the float32 lens's control, shared by every rounding check
         jobs_list.append(({}, "control-lens", runner.base_flags, "lens"))
+    needs: list[frozenset[str] | None] = []  # per spec: the labels of the records its check reads (None: not here)
     for spec in specs:
         control_flags, candidate_flags = runner.resolve(spec)
         if runner.api.as_dict(control_flags) != base:
+            needs.append(None)
             continue
         changed = {k: v for k, v in runner.api.as_dict(candidate_flags).items() if base.get(k) != v}
         jobs_list.append((changed, f"candidate[{spec.name}]", candidate_flags, "production"))
+        labels = {"reference", f"candidate[{spec.name}]"}
         if lens and spec.contract == "rounding":
             jobs_list.append((changed, f"candidate-lens[{spec.name}]", candidate_flags, "lens"))
+            labels |= {"control-lens", f"candidate-lens[{spec.name}]"}
+        needs.append(frozenset(labels))
+    done: set[str] = set()  # labels whose records are in the cache (stored before this run, or a worker's)
+
+    def ready() -> int:
+        n = 0
+        for need in needs:
+            if need is None or not need <= done:
+                break
+            n += 1
+        return n
     settings = runner.settings.as_dict()
     xla_dir = active_compilation_cache_dir()
     futures: dict = {}
@@ -336,6 +358,7 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
         # for it would cost a process start and a runner build (about 1.3 s on tiny) to read it (docs/speed.md)
         todo = [(ov, label, flags, precision) for ov, label, flags, precision in jobs_list
                 if not runner.stored_by_source(flags, precision, replay, candidate=bool(ov))]
+        done.update({label for _, label, _, _ in jobs_list} - {label for _, label, _, _ in todo})
         runner.progress(f"[{time.perf_counter() - runner.t0:7.1f}s] prefetch: {len(todo)} records in {jobs} "
                         f"worker processes ({len(jobs_list) - len(todo)} stored already)")
         if todo and pool is None:
@@ -358,6 +381,10 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
                 runner.progress(f"[{time.perf_counter() - runner.t0:7.1f}s] prefetch: {label} {how.split(' (')[0]}")
             except Exception as e:  # the check recomputes it; nothing is trusted from a failed worker
                 runner.progress(f"prefetch: {label} failed in its worker ({type(e).__name__}: {e}); computed later")
+                continue
+            done.add(label)
+            if on_ready is not None:
+                on_ready(ready())
     except BaseException:  # Ctrl-C, or anything else: no worker keeps computing for a run that is over
         if pool is not None:
             stop_pool(pool)

@@ -123,8 +123,10 @@ def check(
     ``BadInput``, both ``ValueError``, naming the argument and its value, before anything is computed.
     ``on_check(partial_report)`` is called once before the first record is computed and after each check but the
     last (status "incomplete"; the CLI writes them, so a stale report never looks current). ``jobs > 1`` (with the
-    cache, and the real model or an importable ``api_factory`` "module:function"): the records are computed first by
-    that many worker processes (``gates.prefetch``), then the checks read them. Ctrl-C raises ``Interrupted`` (a
+    cache, and the real model or an importable ``api_factory`` "module:function"): the records are computed by that
+    many worker processes (``gates.prefetch``), and each check reads its records as soon as they are in, while the
+    workers compute the rest. Each check's verdict goes to ``progress`` as soon as it is known ("check 3/14: <name>
+    (<contract>): PASS", or "FAIL: " and the first failing gate). Ctrl-C raises ``Interrupted`` (a
     ``KeyboardInterrupt``) carrying the report so far, status "interrupted". ``command``: how the run was started,
     written into the report (default: this call). The real model runs on 8 host CPU devices
     (``nxgates.devices.use_host_devices``, set up here when jax has not started yet; if it has, with fewer devices,
@@ -166,19 +168,30 @@ def check(
                                  tolerances=tols, wall_s=round(time.perf_counter() - runner.t0, 2),
                                  pending=[s.name for s in specs[len(checks):]], status=status, run=dict(info))
 
-    try:
-        if on_check is not None:
-            on_check(report("incomplete"))
-        if jobs > 1 and use_cache and (api is None or api_factory is not None):
-            prefetch(runner, specs, jobs, cache_dir, api_factory=api_factory)
-        for spec in specs:
+    def run_checks(upto: int) -> None:
+        """The checks of ``specs[len(checks):upto]``, in order; each verdict is printed as soon as it is known."""
+        while len(checks) < upto:
+            spec = specs[len(checks)]
             checks.append(runner.run_check(spec))
             if explain and not checks[-1].passed:
                 from nxgates.gates.explainer import explain_failed
 
                 checks[-1].explanation = explain_failed(runner, spec, checks[-1])
+            if progress:
+                c = checks[-1]
+                progress(f"[{time.perf_counter() - runner.t0:7.1f}s] check {len(checks)}/{len(specs)}: "
+                         + (f"{spec.name} ({spec.contract}): PASS" if c.passed
+                            else f"FAIL: {report_lib.Report.failure_line(c)}"))
             if on_check is not None and len(checks) < len(specs):
                 on_check(report("incomplete"))
+
+    try:
+        if on_check is not None:
+            on_check(report("incomplete"))
+        if jobs > 1 and use_cache and (api is None or api_factory is not None):
+            # each check runs as soon as its records are in, while the workers compute the others
+            prefetch(runner, specs, jobs, cache_dir, api_factory=api_factory, on_ready=run_checks)
+        run_checks(len(specs))
         if profile is not None:
             profile.extend(runner.profile)
         base = runner.base_control()

@@ -106,3 +106,35 @@ def test_workers_that_compile_nothing_take_the_next_record_in_the_same_process(t
     assert len(rows) == len(cold) and all(row["how"].startswith("cached") for row in rows), [r["how"] for r in rows]
     assert len({row["process"] for row in rows}) <= 2, [row["process"] for row in rows]  # jobs=2: one per lane
     assert _numbers(again) == _numbers(first)
+
+
+def test_each_check_is_given_as_soon_as_its_records_are_in(tmp_path, monkeypatch):
+    """With workers, a check runs as soon as its own records are in (``prefetch(on_ready=...)``), not after the last
+    record: its verdict line comes after the lines of its own records and, when a later candidate is slow, before
+    that candidate's. The same numbers as a run that reads every record after the workers."""
+    import re
+
+    from tests.gates import slow_toy
+
+    monkeypatch.setenv("NXGATES_TEST_SLOW_S", "4")
+    monkeypatch.setenv("NXGATES_TEST_SLOW_IF", "wi_tile_fwd_batch_seq")  # the last flag's candidate and the tuned set
+    msgs: list = []
+    streamed = suite.check("toy", None, api=slow_toy.api(), api_factory="tests.gates.slow_toy:api", jobs=2,
+                           cache_dir=str(tmp_path), progress=msgs.append, explain=False)
+    arrived = {m.group(1): i for i, msg in enumerate(msgs)
+               if (m := re.search(r"prefetch: (\S+) (?:computed|cached)", msg))}
+    verdicts = {m.group(1): i for i, msg in enumerate(msgs)  # "PASS" or "FAIL: <first failing gate>"
+                if (m := re.search(r"check \d+/\d+: (?:FAIL: )?(\S+) \(\w+\)", msg))}
+    names = [c.spec.name for c in streamed.checks]
+    assert list(verdicts) == names, (list(verdicts), names)  # one verdict line per check, in order
+    for name, at in verdicts.items():
+        own = [label for label in arrived if label.endswith(f"[{name}]")]
+        assert own and all(arrived[label] < at for label in own), (name, own, msgs)
+        assert arrived["reference"] < at
+    slow = min(at for label, at in arrived.items() if "wi_tile_fwd_batch_seq" in label or "[tuned]" in label)
+    assert names[3].startswith("wi_tile_fwd_batch_seq")
+    assert all(verdicts[name] < slow for name in names[:3]), msgs  # none of them waited for the slow candidates
+
+    monkeypatch.delenv("NXGATES_TEST_SLOW_S")
+    again = _run(tmp_path, [])  # every record stored: the checks run after prefetch, which starts no worker
+    assert _numbers(again) == _numbers(streamed)
