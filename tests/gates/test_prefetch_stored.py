@@ -1,18 +1,31 @@
-"""A run whose records are stored starts no worker process for them: ``gates.prefetch`` asks the runner which records
-and candidates this tree's sources already name in the cache (``Runner.stored_by_source``) and hands the workers only
-the rest; with nothing left and the control stored, it starts no pool at all. Each worker process costs a process
-start and a runner build (about 1.3 s on tiny), which a warm rerun of the default run paid 23 times to read what
-the calling process reads anyway (docs/speed.md).
+"""The prefetch and its worker processes on the toy model (``gates.prefetch``), after one cold run shared by the
+module:
+
+- A run whose records are stored starts no worker process for them: ``prefetch`` asks the runner which records and
+  candidates this tree's sources already name in the cache (``Runner.stored_by_source``) and hands the workers only
+  the rest; with nothing left and the control stored, it starts no pool at all. Each worker process costs a process
+  start and a runner build (about 1.3 s on tiny), which a warm rerun of the default run paid 23 times to read what the
+  calling process reads anyway (docs/speed.md).
+- A worker that finds its candidate reads neither full record; a worker that compiled nothing takes the next record.
+- Each check runs, and its verdict is printed, as soon as its own records are in.
 
 Run: python -m pytest tests/gates/test_prefetch_stored.py -q
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import pathlib
+import re
+import shutil
+
+import pytest
 
 from nxgates.gates import prefetch, suite
-from tests.gates import toy_model
+from tests.gates import slow_toy, toy_model
+
+SLOW_FLAG = "wi_tile_fwd_batch_seq"  # the toy's fourth check: its candidate and the tuned set's are slowed
 
 
 def _run(cache_dir, messages, profile=None):
@@ -26,28 +39,56 @@ def _numbers(report) -> str:
                       sort_keys=True)
 
 
-def test_stored_records_go_to_no_worker_and_a_missing_one_alone_does(tmp_path, monkeypatch):
-    first_msgs: list = []
-    first = _run(tmp_path, first_msgs)  # (the repository's table is tiny's: the toy's verdict is not the point)
+@dataclasses.dataclass(frozen=True)
+class Cold:
+    cache: pathlib.Path
+    messages: list
+    profile: list
+    report: object
+
+    def copy(self, to: pathlib.Path) -> pathlib.Path:
+        """This run's cache, copied for a test to continue on."""
+        return pathlib.Path(shutil.copytree(self.cache, to / "cache"))
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory) -> Cold:
+    """One cold toy run with two workers, whose builds of ``SLOW_FLAG``'s candidates sleep 2 s in the workers
+    (``tests/gates/slow_toy.py``; they build the same programs as the toy, so the records are the toy's). (The
+    repository's table is tiny's: the toy's verdict is not the point.)"""
+    cache = tmp_path_factory.mktemp("cold")
+    messages: list = []
+    profile: list = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NXGATES_TEST_SLOW_S", "2")
+        mp.setenv("NXGATES_TEST_SLOW_IF", SLOW_FLAG)
+        report = suite.check("toy", None, api=slow_toy.api(), api_factory="tests.gates.slow_toy:api", jobs=2,
+                             cache_dir=str(cache), progress=messages.append, explain=False, profile=profile)
+    return Cold(cache, messages, profile, report)
+
+
+def test_stored_records_go_to_no_worker_and_a_missing_one_alone_does(cold, tmp_path, monkeypatch):
+    first = cold.report
     assert first.checks
-    started = [m for m in first_msgs if "prefetch:" in m and "worker processes" in m]
+    started = [m for m in cold.messages if "prefetch:" in m and "worker processes" in m]
     assert started and "(0 stored already)" in started[0], started  # cold: every record went to a worker
 
+    cache = cold.copy(tmp_path)
     pools: list = []
     real_pool = prefetch.worker_pool
     monkeypatch.setattr(prefetch, "worker_pool", lambda *a, **kw: pools.append(a) or real_pool(*a, **kw))
     msgs: list = []
-    again = _run(tmp_path, msgs)
+    again = _run(cache, msgs)
     assert pools == [], "a run whose records are all stored started worker processes"
     assert any("prefetch: 0 records in 2 worker processes" in m for m in msgs), msgs
     assert _numbers(again) == _numbers(first)
 
     # one candidate's digests gone: that one alone goes to a worker (and the run gives the same numbers)
-    entries = sorted((tmp_path / "candidates").glob("*.json"))
+    entries = sorted((cache / "candidates").glob("*.json"))
     assert entries
     entries[0].unlink()
     msgs = []
-    third = _run(tmp_path, msgs)
+    third = _run(cache, msgs)
     assert len(pools) == 1
     assert any("prefetch: 1 records in 2 worker processes" in m for m in msgs), msgs
     assert _numbers(third) == _numbers(first)
@@ -89,52 +130,43 @@ def test_a_worker_that_finds_its_candidate_reads_neither_full_record(tmp_path):
     assert named == by_program == computed
 
 
-def test_workers_that_compile_nothing_take_the_next_record_in_the_same_process(tmp_path):
+def test_workers_that_compile_nothing_take_the_next_record_in_the_same_process(cold, tmp_path):
     """After an edit that changes no program (here: the tree's names removed from the cache), every worker finds its
     record by its lowered program and compiles nothing, so its process takes the lane's next record
     (``prefetch.compiled_nothing``) instead of a fresh process per record; the same numbers. A cold run's workers,
     which compile, still use a process per record."""
-    profile: list = []
-    first = _run(tmp_path, [], profile)
-    cold = [row for row in profile if row["record"].endswith("(worker)")]
-    assert len(cold) >= 4 and len({row["process"] for row in cold}) == len(cold), [r["process"] for r in cold]
-    for name in (tmp_path / "by-source").glob("*.json"):
+    rows = [row for row in cold.profile if row["record"].endswith("(worker)")]
+    assert len(rows) >= 4 and len({row["process"] for row in rows}) == len(rows), [r["process"] for r in rows]
+    cache = cold.copy(tmp_path)
+    for name in (cache / "by-source").glob("*.json"):
         name.unlink()
-    profile = []
-    again = _run(tmp_path, [], profile)
-    rows = [row for row in profile if row["record"].endswith("(worker)")]
-    assert len(rows) == len(cold) and all(row["how"].startswith("cached") for row in rows), [r["how"] for r in rows]
-    assert len({row["process"] for row in rows}) <= 2, [row["process"] for row in rows]  # jobs=2: one per lane
-    assert _numbers(again) == _numbers(first)
+    profile: list = []
+    again = _run(cache, [], profile)
+    found = [row for row in profile if row["record"].endswith("(worker)")]
+    assert len(found) == len(rows) and all(row["how"].startswith("cached") for row in found), \
+        [r["how"] for r in found]
+    assert len({row["process"] for row in found}) <= 2, [row["process"] for row in found]  # jobs=2: one per lane
+    assert _numbers(again) == _numbers(cold.report)
 
 
-def test_each_check_is_given_as_soon_as_its_records_are_in(tmp_path, monkeypatch):
+def test_each_check_is_given_as_soon_as_its_records_are_in(cold, tmp_path):
     """With workers, a check runs as soon as its own records are in (``prefetch(on_ready=...)``), not after the last
     record: its verdict line comes after the lines of its own records and, when a later candidate is slow, before
     that candidate's. The same numbers as a run that reads every record after the workers."""
-    import re
-
-    from tests.gates import slow_toy
-
-    monkeypatch.setenv("NXGATES_TEST_SLOW_S", "4")
-    monkeypatch.setenv("NXGATES_TEST_SLOW_IF", "wi_tile_fwd_batch_seq")  # the last flag's candidate and the tuned set
-    msgs: list = []
-    streamed = suite.check("toy", None, api=slow_toy.api(), api_factory="tests.gates.slow_toy:api", jobs=2,
-                           cache_dir=str(tmp_path), progress=msgs.append, explain=False)
+    msgs = cold.messages
     arrived = {m.group(1): i for i, msg in enumerate(msgs)
                if (m := re.search(r"prefetch: (\S+) (?:computed|cached)", msg))}
     verdicts = {m.group(1): i for i, msg in enumerate(msgs)  # "PASS" or "FAIL: <first failing gate>"
                 if (m := re.search(r"check \d+/\d+: (?:FAIL: )?(\S+) \(\w+\)", msg))}
-    names = [c.spec.name for c in streamed.checks]
+    names = [c.spec.name for c in cold.report.checks]
     assert list(verdicts) == names, (list(verdicts), names)  # one verdict line per check, in order
     for name, at in verdicts.items():
         own = [label for label in arrived if label.endswith(f"[{name}]")]
         assert own and all(arrived[label] < at for label in own), (name, own, msgs)
         assert arrived["reference"] < at
-    slow = min(at for label, at in arrived.items() if "wi_tile_fwd_batch_seq" in label or "[tuned]" in label)
-    assert names[3].startswith("wi_tile_fwd_batch_seq")
+    slow = min(at for label, at in arrived.items() if SLOW_FLAG in label or "[tuned]" in label)
+    assert names[3].startswith(SLOW_FLAG)
     assert all(verdicts[name] < slow for name in names[:3]), msgs  # none of them waited for the slow candidates
 
-    monkeypatch.delenv("NXGATES_TEST_SLOW_S")
-    again = _run(tmp_path, [])  # every record stored: the checks run after prefetch, which starts no worker
-    assert _numbers(again) == _numbers(streamed)
+    again = _run(cold.copy(tmp_path), [])  # every record stored: the checks run after prefetch, with no worker
+    assert _numbers(again) == _numbers(cold.report)
