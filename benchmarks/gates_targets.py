@@ -12,7 +12,8 @@ Each case runs ``python -m nxgates run`` in a child process (``--out`` and ``--c
   another flag's check is not reused: the case builds its base records first, with ``--flags`` of another flag, and
   times the second run).
 
-Per run it prints the wall seconds, the seconds to the verdict (the run's own ``PASS``/``FAIL`` line), the peak RSS of
+Per run it prints the wall seconds, the seconds to the first check's verdict (its ``check 1/N`` progress line) and to
+the run's verdict (the run's own ``PASS``/``FAIL`` line), the peak RSS of
 the largest process (the run or one of its workers: ``getrusage(RUSAGE_CHILDREN)`` of a wrapper process per run), the
 record cache's size (every file but the compiled programs) and the compiled programs' (``xla/``), and the exit code;
 then min and median per case. The machine should be otherwise idle: say its load in the notes.
@@ -43,6 +44,7 @@ print("@@" + json.dumps({"wall_s": wall, "rc": p.returncode,
 """
 
 VERDICT = re.compile(r"^(PASS|FAIL): .*\((\d+(?:\.\d+)?)s\)$", re.M)
+FIRST = re.compile(r"^\[\s*(\d+(?:\.\d+)?)s\] check 1/\d+: ", re.M)
 OTHER_FLAG = "gdn_cp_m_scan=true"  # builds the base records of a flag-cached case
 
 
@@ -67,6 +69,8 @@ def run(argv: list[str], cache: pathlib.Path, out: pathlib.Path, log: pathlib.Pa
     m = VERDICT.findall(text)
     res["verdict_s"] = float(m[-1][1]) if m else None
     res["verdict"] = m[-1][0] if m else None
+    first = FIRST.search(text)
+    res["first_verdict_s"] = float(first.group(1)) if first else None
     res["records_mb"] = round(size_mb(cache, without="xla"), 1)
     res["xla_mb"] = round(size_mb(cache, only="xla"), 1)
     res["max_rss_gb"] = round(res.pop("max_rss_kb") / 1e6, 2)
@@ -108,15 +112,17 @@ def main(argv=None) -> int:
             rows[case].append(res)
             print(f"{t} {case} round {r + 1}: {json.dumps(res)}", flush=True)
     print()
-    print("| case | runs | wall s: min | median | to the verdict s: min | median | peak RSS GB: max | record cache MB "
-          "| compiled MB |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| case | runs | wall s: min | median | first check's verdict s: min | median | to the verdict s: min "
+          "| median | peak RSS GB: max | record cache MB | compiled MB |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for case, rs in rows.items():
         if not rs:
             continue
         walls = [x["wall_s"] for x in rs]
         verdicts = [x["verdict_s"] for x in rs if x["verdict_s"] is not None] or [float("nan")]
-        print(f"| {case} | {len(rs)} | {min(walls):.1f} | {statistics.median(walls):.1f} | {min(verdicts):.1f} | "
+        firsts = [x["first_verdict_s"] for x in rs if x["first_verdict_s"] is not None] or [float("nan")]
+        print(f"| {case} | {len(rs)} | {min(walls):.1f} | {statistics.median(walls):.1f} | {min(firsts):.1f} | "
+              f"{statistics.median(firsts):.1f} | {min(verdicts):.1f} | "
               f"{statistics.median(verdicts):.1f} | {max(x['max_rss_gb'] for x in rs):.2f} | "
               f"{max(x['records_mb'] for x in rs):.1f} | {max(x['xla_mb'] for x in rs):.1f} |")
     bad = [(c, x["rc"]) for c, rs in rows.items() for x in rs if x["rc"] != 0]
