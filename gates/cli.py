@@ -106,8 +106,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="without --flags: check each tuned tile key alone (default) or grouped by contract")
     run.add_argument("--no-cache", action="store_true", help="recompute control and reference")
     run.add_argument("--jobs", default="2", metavar="N",
-                     help="worker processes that compute the records before the checks read them (default 2; 1: "
-                          "everything in this process)")
+                     help="worker processes that compute the records; each check runs as soon as its records are in "
+                          "(default 2; 1: everything in this process)")
     run.add_argument("--tolerances", default=None, help="tolerance table (default fixtures/tolerances.toml)")
     run.add_argument("--profile", action="store_true",
                      help="print per record the seconds to trace, lower, compile and execute, and the totals")

@@ -1,4 +1,5 @@
-"""Prefetch: compute a run's records in worker processes before the checks read them from the record cache.
+"""Prefetch: compute a run's records in worker processes; each check reads its records from the record cache as soon
+as they are in (``prefetch(on_ready=...)``), while the workers compute the rest.
 
 XLA compiles mostly on one core (a tiny candidate's program: 14 s wall, 20 s CPU; docs/speed.md), so two processes on
 two cores cut the wall time of ``nxgates run``. The control is computed first in the calling process (every other
