@@ -476,12 +476,14 @@ class Runner:
             k = record_lib.key_digest(self.key_parts(flags, precision, replay))
             kc = record_lib.key_digest(self.key_parts(control[0], control[1], ctrl_replay))
             kr = record_lib.key_digest(self.key_parts(control_flags, "reference", replay))
-            if self._stored_program_key(kc) is None or self._stored_program_key(kr) is None:
+            kc_program, kr_program = self._stored_program_key(kc), self._stored_program_key(kr)
+            if kc_program is None or kr_program is None:
                 records()  # not stored under this tree's names yet: obtain them first (computed, waited for or found)
+                kc_program, kr_program = self._stored_program_key(kc), self._stored_program_key(kr)
             t, c = time.perf_counter(), time.process_time()
             with self.cache.lock(k):  # another process computing it: wait, then read it
-                summary, how = self._cached_candidate(k, flags, precision, label, replay, records,
-                                                      self._stored_program_key(kc), self._stored_program_key(kr))
+                summary, how = self._cached_candidate(k, flags, precision, label, replay, records, kc_program,
+                                                      kr_program)
             if how == "cached" and k in self.prefetched:  # a worker of this run put it there: say how it got it
                 how = f"{self.prefetched[k]} (by a prefetch worker of this run)"
             self.profile.append(profile_lib.row(label, how, summary.metadata, time.perf_counter() - t,
