@@ -3,7 +3,8 @@
 Commands:
     run (default)   python -m nxgates [--config tiny] [--flags k=v ...] [--json] [--out reports]
                     no --flags: every registered flag alone + the tuned combination; exit 0 pass, 1 a gate fails,
-                    2 bad input (unknown config or flag, malformed value, refused combination) with the message.
+                    2 bad input (unknown config or flag, malformed value, refused combination) with the message;
+                    --fail-fast: stop at the first failing check (exit 1, the report marked STOPPED).
     kernels         python -m nxgates kernels [--case tiny|cell] [--op moe|gdn|fp8] ...  (gates.kernel_report.main)
                     python -m nxgates kernels --impl PACKAGE.MODULE:FUNCTION --op OP ...  (gates.testing.main)
     calibrate       python -m nxgates calibrate [--config tiny]: control-vs-reference distances and a benign
@@ -113,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="print per record the seconds to trace, lower, compile and execute, and the totals")
     run.add_argument("--golden-dir", default=None, help="golden records (default fixtures/golden)")
     run.add_argument("--no-explain", action="store_true", help="do not explain the failing checks (gates.explain)")
+    run.add_argument("--fail-fast", action="store_true",
+                     help="stop at the first failing check (exit 1; the workers stop, the failing check is still "
+                          "explained; the report is marked STOPPED and names the checks not run)")
     ex = sub.add_parser("explain", help="the first op and layer where the candidate leaves the control (step 1)")
     common(ex)
     ex.add_argument("--flags", nargs="+", action="extend", metavar="K=V", help="the check to explain")
@@ -341,7 +345,7 @@ def _run(args, api, custom_api: bool, argv: list[str], api_factory: str | None =
                              golden_dir=args.golden_dir, progress=_progress,
                              on_check=lambda partial: partial.write(out), jobs=jobs, command=command,
                              accelerator=args.accelerator, api_factory=api_factory, profile=rows,
-                             explain=not args.no_explain)
+                             explain=not args.no_explain, fail_fast=args.fail_fast)
     except suite.Interrupted as e:
         e.report.write(out)
         why = "SIGTERM" if isinstance(e.__context__, _Terminated) else "Ctrl-C"

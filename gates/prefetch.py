@@ -301,7 +301,8 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
     sources already name in the cache (``Runner.stored_by_source``) goes to no worker: its check reads it; with the
     control stored too, a run whose records are all stored starts no worker process.
 
-    ``on_ready(n)``: called here each time a worker's record is in, with the number of leading ``specs`` whose records
+    ``on_ready(n)``: called here once the workers are given their records (where the records of leading checks were
+    all stored already) and each time a worker's record is in, with the number of leading ``specs`` whose records
     are all in the cache (the control, the reference, the candidate, and in the lens the lens's control and candidate),
     so that the caller can run those checks while the workers compute the rest (``gates.suite.check`` gives each
     verdict as soon as its records are in). A spec whose control is not the config's is never counted: its check
@@ -373,6 +374,8 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
         runner.shared_record(runner.base_flags, "production", "control (before the checks)", on_steps=submit)
         # the control was read from the cache (or found by its program): no steps ran here, nothing submitted yet
         submit(control_routing(runner.base_control()[0]))
+        if on_ready is not None and ready():  # the checks whose records were all stored: now, not after a worker's
+            on_ready(ready())
         for fut in concurrent.futures.as_completed(futures):
             label, digest = futures[fut]
             try:

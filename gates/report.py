@@ -22,7 +22,7 @@ from nxgates.gates import atomic
 from nxgates.gates import gates as gates_lib
 from nxgates.gates.tolerances import Tolerances
 
-STATUSES = ("complete", "incomplete", "interrupted")
+STATUSES = ("complete", "incomplete", "interrupted", "stopped")
 HEADERS = ("gate", "step", "vs control", "bound", "vs reference", "bound (ref)", "verdict")
 
 
@@ -45,7 +45,8 @@ class Report:
     pending: list = dataclasses.field(default_factory=list)  # checks not run yet (a partial report)
     plots: dict = dataclasses.field(default_factory=dict)  # check name -> [(title, file name)] (set by write)
     # "complete"; "incomplete" (written while the run goes on: if its process is gone, it was killed);
-    # "interrupted" (Ctrl-C / SIGTERM: the checks done before it)
+    # "interrupted" (Ctrl-C / SIGTERM: the checks done before it); "stopped" (fail_fast: the checks up to the first
+    # failing one, which is the last; a FAIL verdict, with the checks not run in ``pending``)
     status: str = "complete"
     run: dict = dataclasses.field(default_factory=dict)  # started, command, git_commit, source_sha256, pid, host
 
@@ -67,7 +68,8 @@ class Report:
         what = {"complete": f"COMPLETE ({done})",
                 "incomplete": f"INCOMPLETE ({done} so far; written while the run went on: if process {r.get('pid')} "
                               f"on {r.get('host')} is gone, the run was killed before it finished)",
-                "interrupted": f"INTERRUPTED ({done} done before the interrupt; not a verdict)"}[self.status]
+                "interrupted": f"INTERRUPTED ({done} done before the interrupt; not a verdict)",
+                "stopped": f"STOPPED AT THE FIRST FAILING CHECK ({done}; --fail-fast: the rest not run)"}[self.status]
         commit = r.get("git_commit") or "no git checkout"
         return (f"status: {what}; started {r.get('started', '?')}, written {self.written}; command: "
                 f"{r.get('command', '?')}; commit {commit}; source sha256 {str(r.get('source_sha256', '?'))[:16]}")
@@ -125,6 +127,12 @@ class Report:
                          f"float32 reference {'/'.join(map(str, rm['reference']))}")
         return lines
 
+    def verdict(self) -> str:
+        """PASS; FAIL (a complete run, or one stopped at its first failing check); else the status (no verdict)."""
+        if self.passed:
+            return "PASS"
+        return "FAIL" if self.status in ("complete", "stopped") else self.status.upper()
+
     # -------------------------------------------------------------------------------------------------- renders
     @property
     def written(self) -> str:
@@ -146,9 +154,10 @@ class Report:
             tag = "WARNING " if self.golden.failed else ""
             parts += ["", f"{tag}golden: {self.golden.status}: {self.golden.message}"]
         if self.pending:
-            parts += ["", "PARTIAL REPORT: still to run: " + ", ".join(self.pending)]
+            parts += ["", ("NOT RUN (stopped at the first failing check): " if self.status == "stopped"
+                           else "PARTIAL REPORT: still to run: ") + ", ".join(self.pending)]
         n_fail = sum(not c.passed for c in self.checks)
-        verdict = "PASS" if self.passed else ("FAIL" if self.status == "complete" else self.status.upper())
+        verdict = self.verdict()
         parts += ["", f"{verdict}: {len(self.checks) - n_fail}/{len(self.checks)} checks "
                   f"pass ({self.wall_s:.1f}s)"]
         parts += [f"  failed: {self.failure_line(c)}" for c in self.checks if not c.passed]
@@ -186,8 +195,9 @@ class Report:
                  f"{self.env.get('device_count')} x {self.env.get('device_kind')}, jax {self.env.get('jax')}, "
                  f"jaxlib {self.env.get('jaxlib')}; tolerances `{self.tolerances.path}`, "
                  f"slack {gates_lib.slack_text(self.tolerances)}.",
-                 "", f"**{'PASS' if self.passed else ('FAIL' if self.status == 'complete' else self.status.upper())}**"
-                 + (f" (partial: still to run {', '.join(self.pending)})" if self.pending else ""), ""]
+                 "", f"**{self.verdict()}**"
+                 + (f" ({'not run' if self.status == 'stopped' else 'partial: still to run'} "
+                    f"{', '.join(self.pending)})" if self.pending else ""), ""]
         for c in self.checks:
             parts.append(f"## {c.spec.name} ({c.spec.contract}): {'PASS' if c.passed else 'FAIL'}")
             parts.append("")
@@ -251,7 +261,7 @@ class Report:
 
     def write(self, out_dir: str | pathlib.Path = "reports") -> tuple[pathlib.Path, pathlib.Path]:
         out = pathlib.Path(out_dir)
-        if self.status == "complete" and not self.pending:  # partial reports get their pictures at the end
+        if self.status == "stopped" or (self.status == "complete" and not self.pending):  # final: with pictures
             from nxgates.gates import plots
 
             self.plots = plots.report_plots(self, out)

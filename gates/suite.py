@@ -36,6 +36,11 @@ def announce_prerequisites(specs, progress: Callable[[str], None]) -> None:
                      f"config's tuned values), as the default run does")
 
 
+class _StopAtFailure(Exception):
+    """``fail_fast``: a check failed; raised out of ``prefetch``'s ``on_ready`` (which stops its workers) or out of
+    the checks' loop, and caught in ``check``."""
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C (or SIGTERM through the CLI) during ``check``: ``report`` holds the checks done so far, status
     "interrupted". A ``KeyboardInterrupt``, so code that does not know it still stops as on any Ctrl-C."""
@@ -115,6 +120,7 @@ def check(
     accelerator: bool = False,
     profile: list | None = None,
     explain: bool = True,
+    fail_fast: bool = False,
 ):
     """Run the gates: ``flags=None`` checks every tuning flag alone and the tuned combination; otherwise one check
     of ``flags`` ({key: value or string}) plus the prerequisite tuning flags the model's rules name (printed).
@@ -132,7 +138,10 @@ def check(
     (``nxgates.devices.use_host_devices``, set up here when jax has not started yet; if it has, with fewer devices,
     a ``RuntimeError`` says what to set); ``accelerator=True``: on jax's default devices instead. ``profile``: a list
     that gets one ``gates.profile.row`` per record (where the time went; ``nxgates run --profile``). ``explain``:
-    every failing check gets its explanation (``gates.explainer``: the first op and layer over its bound at step 1)."""
+    every failing check gets its explanation (``gates.explainer``: the first op and layer over its bound at step 1).
+    ``fail_fast``: stop at the first failing check: the prefetch workers are stopped, the failing check is explained
+    (after they are, so that it has the machine), its control is compared with the golden where it is the config's,
+    and the report's status is "stopped" (its ``pending`` names the checks not run; not a pass)."""
     _validate_args(config, flags, api, settings, tiles, cache_dir, use_cache, tolerances_path, golden_dir, progress,
                    on_check, jobs, api_factory, command)
     if profile is not None and not isinstance(profile, list):
@@ -141,6 +150,8 @@ def check(
         raise BadInput(f"accelerator={accelerator!r} must be True or False")
     if not isinstance(explain, bool):
         raise BadInput(f"explain={explain!r} must be True or False")
+    if not isinstance(fail_fast, bool):
+        raise BadInput(f"fail_fast={fail_fast!r} must be True or False")
     if api is None and not accelerator:
         from nxgates.devices import use_host_devices
 
@@ -168,36 +179,51 @@ def check(
                                  tolerances=tols, wall_s=round(time.perf_counter() - runner.t0, 2),
                                  pending=[s.name for s in specs[len(checks):]], status=status, run=dict(info))
 
+    def explain_last() -> None:
+        from nxgates.gates.explainer import explain_failed
+
+        checks[-1].explanation = explain_failed(runner, checks[-1].spec, checks[-1])
+
     def run_checks(upto: int) -> None:
         """The checks of ``specs[len(checks):upto]``, in order; each verdict is printed as soon as it is known."""
         while len(checks) < upto:
             spec = specs[len(checks)]
             checks.append(runner.run_check(spec))
-            if explain and not checks[-1].passed:
-                from nxgates.gates.explainer import explain_failed
-
-                checks[-1].explanation = explain_failed(runner, spec, checks[-1])
+            c = checks[-1]
             if progress:
-                c = checks[-1]
                 progress(f"[{time.perf_counter() - runner.t0:7.1f}s] check {len(checks)}/{len(specs)}: "
                          + (f"{spec.name} ({spec.contract}): PASS" if c.passed
                             else f"FAIL: {report_lib.Report.failure_line(c)}"))
+            if not c.passed and fail_fast and len(checks) < len(specs):
+                raise _StopAtFailure
+            if explain and not c.passed:
+                explain_last()
             if on_check is not None and len(checks) < len(specs):
                 on_check(report("incomplete"))
 
+    def compare_golden():
+        base = runner.base_control()
+        return None if base is None else golden_lib.compare_with_golden(config, base[0], tols, golden_dir=golden_dir)
+
+    stopped = False
     try:
         if on_check is not None:
             on_check(report("incomplete"))
-        if jobs > 1 and use_cache and (api is None or api_factory is not None):
-            # each check runs as soon as its records are in, while the workers compute the others
-            prefetch(runner, specs, jobs, cache_dir, api_factory=api_factory, on_ready=run_checks)
-        run_checks(len(specs))
+        try:
+            if jobs > 1 and use_cache and (api is None or api_factory is not None):
+                # each check runs as soon as its records are in, while the workers compute the others
+                prefetch(runner, specs, jobs, cache_dir, api_factory=api_factory, on_ready=run_checks)
+            run_checks(len(specs))
+        except _StopAtFailure:  # prefetch stopped its workers on the way out; the failing check is the last one
+            stopped = True
+            if progress:
+                progress(f"[{time.perf_counter() - runner.t0:7.1f}s] stopped at the first failing check "
+                         f"({len(checks)}/{len(specs)}; fail_fast): {len(specs) - len(checks)} not run")
+            if explain:
+                explain_last()
         if profile is not None:
             profile.extend(runner.profile)
-        base = runner.base_control()
-        gold = None
-        if base is not None:
-            gold = golden_lib.compare_with_golden(config, base[0], tols, golden_dir=golden_dir)
+        gold = compare_golden()
     except KeyboardInterrupt:
         raise Interrupted(report("interrupted")) from None
-    return report("complete", gold)
+    return report("stopped" if stopped else "complete", gold)

@@ -233,6 +233,7 @@ def test_the_corpus_is_large():
     ({"golden_dir": "no/such/dir"}, ["golden_dir='no/such/dir' is not a directory"]),
     ({"tolerances_path": "no/such.toml"}, ["tolerances_path='no/such.toml'", "does not exist"]),
     ({"accelerator": "no"}, ["accelerator='no' must be True or False"]),
+    ({"fail_fast": "yes"}, ["fail_fast='yes' must be True or False"]),
     ({"flags": {"wi_tile_fwd_embed_dim": "１２８"}}, ["wi_tile_fwd_embed_dim=１２８ is malformed"]),
     ({"flags": {"wi_tile_fwd_mlp_dim": 1048576}}, ["wi_tile_fwd_mlp_dim=1048576 is larger than the dim"]),
 ], ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)

@@ -170,3 +170,27 @@ def test_each_check_is_given_as_soon_as_its_records_are_in(cold, tmp_path):
 
     again = _run(cold.copy(tmp_path), [])  # every record stored: the checks run after prefetch, with no worker
     assert _numbers(again) == _numbers(cold.report)
+
+
+def test_checks_whose_records_are_stored_run_before_any_worker_record_is_in(cold, tmp_path, monkeypatch):
+    """A rerun where only the slow flag's candidates are missing (their digests deleted): the checks before it read
+    stored records only, so their verdicts come as soon as the workers are given the missing ones, not after the
+    first of those is in (``prefetch`` calls ``on_ready`` once after submitting). The same numbers."""
+    cache = cold.copy(tmp_path)
+    control = toy_model.load_config("toy").control
+    gone = []
+    for entry in (cache / "candidates").glob("*.json"):
+        flags = json.loads(entry.read_text())["body"]["metadata"]["flags"]
+        if flags[SLOW_FLAG] != getattr(control, SLOW_FLAG):
+            entry.unlink()
+            gone.append(entry.name)
+    assert gone
+    monkeypatch.setenv("NXGATES_TEST_SLOW_S", "2")
+    monkeypatch.setenv("NXGATES_TEST_SLOW_IF", SLOW_FLAG)
+    msgs: list = []
+    again = suite.check("toy", None, api=slow_toy.api(), api_factory="tests.gates.slow_toy:api", jobs=2,
+                        cache_dir=str(cache), progress=msgs.append, explain=False)
+    first_in = min(i for i, m in enumerate(msgs) if re.search(r"prefetch: candidate\S* computed", m))
+    verdicts = [i for i, m in enumerate(msgs) if re.search(r"check \d+/\d+: ", m)]
+    assert len(verdicts) == 5 and all(i < first_in for i in verdicts[:3]), msgs
+    assert _numbers(again) == _numbers(cold.report)

@@ -1,7 +1,8 @@
 """What a report says about itself (issue 13 items 8 and 9): its status first ("complete" / "incomplete" /
-"interrupted"), the date, the command, the commit and source hash; how each record was obtained in this run; the
-file mode the umask gives; Ctrl-C and SIGTERM: one line, exit 130, the report marked interrupted (never a stale one
-left looking current). On the toy model; the signals go to real processes.
+"interrupted" / "stopped"), the date, the command, the commit and source hash; how each record was obtained in this
+run; the file mode the umask gives; Ctrl-C and SIGTERM: one line, exit 130, the report marked interrupted (never a
+stale one left looking current); ``--fail-fast``: exit 1 at the first failing check, its workers stopped, the report
+marked stopped. On the toy model; the signals go to real processes.
 
 Run: python -m pytest tests/gates/test_report_status.py -q
 """
@@ -20,6 +21,7 @@ import pytest
 
 from nxgates.gates import atomic, cli, runner
 from tests.gates import toy_model
+from tests.gates.test_cli import tolerance_file
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GATHER8 = ["--flags", "fp8_fake_quant_hoist=gather8"]  # an exact flag the toy passes
@@ -85,6 +87,37 @@ def test_interrupt_after_a_check_marks_the_report(tmp_path, capsys, monkeypatch)
     assert doc["status"] == "interrupted" and doc["passed"] is False and len(doc["checks"]) == 1
     assert len(doc["pending"]) == 4
     assert md.splitlines()[0].startswith("**status: INTERRUPTED (1/5 checks done before the interrupt")
+
+
+def test_fail_fast_stops_at_the_first_failing_check(tmp_path, capsys):
+    """A table whose floors are 0 fails the toy's first check (a rounding flag: its gradient moves): with
+    ``--fail-fast`` the run ends there, exit 1, the failing check explained, the other four named as not run, the
+    report marked STOPPED and its verdict FAIL. A passing check does not stop it, and a failing last check leaves
+    nothing to stop: that report is complete."""
+    strict = tolerance_file(tmp_path, 0.0)
+    code, err, doc, md = run_cli(tmp_path, ["--tolerances", strict, "--fail-fast"], capsys)
+    assert code == 1, err
+    assert doc["status"] == "stopped" and doc["passed"] is False
+    assert [c["passed"] for c in doc["checks"]] == [False] and doc["checks"][0]["name"] == "moe_wi_gmm_fused_swiglu"
+    assert doc["checks"][0]["explanation"] is not None  # explained after the stop
+    assert doc["pending"] == ["fp8_fake_quant_hoist", "wi_tile_fwd_embed_dim=8", "wi_tile_fwd_batch_seq=16", "tuned"]
+    assert "stopped at the first failing check (1/5; fail_fast): 4 not run" in err
+    assert md.splitlines()[0].startswith("**status: STOPPED AT THE FIRST FAILING CHECK (1/5 checks; --fail-fast")
+    assert "**FAIL** (not run fp8_fake_quant_hoist, " in md
+    table = cli.main(["run", "--config", "toy", "--jobs", "1", "--out", str(tmp_path / "out"), "--cache-dir",
+                      str(tmp_path / "cache"), "--tolerances", strict, "--fail-fast", "--no-explain"],
+                     api=toy_model.api())
+    assert table == 1
+    text = capsys.readouterr().out
+    assert "NOT RUN (stopped at the first failing check): fp8_fake_quant_hoist, " in text
+    assert "\nFAIL: 0/1 checks pass" in text
+
+    code, err, doc, _ = run_cli(tmp_path, [*GATHER8, "--fail-fast"], capsys)  # an exact flag the toy passes
+    assert code == 0 and doc["status"] == "complete" and doc["passed"] is True, err
+    code, err, doc, _ = run_cli(tmp_path, ["--flags", "moe_wi_gmm_fused_swiglu=true", "--tolerances", strict,
+                                           "--fail-fast", "--no-explain"], capsys)
+    assert code == 1 and doc["status"] == "complete" and doc["pending"] == [], err
+    assert "stopped at the first failing check" not in err
 
 
 def test_a_stale_report_is_replaced_before_anything_is_computed(tmp_path, capsys, monkeypatch):
@@ -183,6 +216,32 @@ def test_a_signal_prints_one_line_and_exits_130(tmp_path, where, sig, jobs):
     doc = json.loads((tmp_path / "out" / "gates.json").read_text())
     assert doc["status"] == "interrupted"
     assert (tmp_path / "out" / "gates.md").read_text().startswith("**status: INTERRUPTED")
+
+
+def test_fail_fast_stops_the_prefetch_workers(tmp_path):
+    """With workers: the first check fails (a table whose floors are 0) while a worker builds the second check's
+    candidate, which sleeps 600 s (``tests/gates/slow_toy.py``). ``--fail-fast`` ends the run there: exit 1 long
+    before the sleep ends, no process of the run left, the report stopped after one check. (A run that went on to
+    the second check, or that waited for its workers, would sleep out the 600 s and time out here.)"""
+    strict = tolerance_file(tmp_path, 0.0)
+    env = {**os.environ, "NXGATES_TEST_SLOW_S": "600", "NXGATES_TEST_SLOW_IF": "fp8_fake_quant_hoist"}
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, "run", "--config", "toy", "--jobs", "2", "--out",
+                             str(tmp_path / "out"), "--cache-dir", str(tmp_path / "c"), "--tolerances", strict,
+                             "--fail-fast", "--no-explain"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.time() + 10
+    while session_members(proc.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not session_members(proc.pid)
+    assert proc.returncode == 1, err
+    assert "stopped at the first failing check (1/5; fail_fast): 4 not run" in err
+    doc = json.loads((tmp_path / "out" / "gates.json").read_text())
+    assert doc["status"] == "stopped" and len(doc["checks"]) == 1 and len(doc["pending"]) == 4
 
 
 def test_prefetch_workers_compute_the_float32_lens_records(tmp_path, capsys):
