@@ -374,8 +374,9 @@ def prefetch(runner: Runner, specs, jobs: int, cache_dir: str | None, *, api_fac
         runner.shared_record(runner.base_flags, "production", "control (before the checks)", on_steps=submit)
         # the control was read from the cache (or found by its program): no steps ran here, nothing submitted yet
         submit(control_routing(runner.base_control()[0]))
-        if on_ready is not None and ready():  # the checks whose records were all stored: now, not after a worker's
-            on_ready(ready())
+        n = ready()
+        if on_ready is not None and n:  # the checks whose records were all stored: now, not after a worker's record
+            on_ready(n)
         for fut in concurrent.futures.as_completed(futures):
             label, digest = futures[fut]
             try:
