@@ -43,7 +43,9 @@ def _listener(event: str, duration: float, **_) -> None:
 # ------------------------------------------------------------------------------------------------------ pytest hooks
 def pytest_configure(config) -> None:
     if not os.environ.get(ENV):
-        raise SystemExit(f"pytest_jax_time: set {ENV} to the folder its per-process files go to")
+        import pytest
+
+        raise pytest.UsageError(f"pytest_jax_time: {ENV} is not set: set it to the folder for the per-process files")
     import jax.monitoring
 
     jax.monitoring.register_event_duration_secs_listener(_listener)
@@ -54,6 +56,8 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 (pytest's hook sign
 
 
 def pytest_unconfigure(config) -> None:  # noqa: ARG001
+    if not os.environ.get(ENV):  # refused in pytest_configure
+        return
     out = pathlib.Path(os.environ[ENV])
     out.mkdir(parents=True, exist_ok=True)
     name = os.environ.get("PYTEST_XDIST_WORKER", "main")
