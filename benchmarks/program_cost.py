@@ -76,6 +76,8 @@ def main(argv=None) -> int:
         ap.error(f"--runs={args.runs} must be >= 1")
     if args.cprofile < 0:
         ap.error(f"--cprofile={args.cprofile} must be >= 0")
+    if args.cprofile_match is not None and not args.cprofile:
+        ap.error(f"--cprofile-match={args.cprofile_match!r} needs --cprofile N")
     if args.cprofile_match is not None:
         try:
             re.compile(args.cprofile_match)

@@ -58,12 +58,12 @@ def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 (pytest's hook sign
 def pytest_unconfigure(config) -> None:  # noqa: ARG001
     if not os.environ.get(ENV):  # refused in pytest_configure
         return
+    from nxgates.gates.atomic import write_json_atomic
+
     out = pathlib.Path(os.environ[ENV])
     out.mkdir(parents=True, exist_ok=True)
-    name = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    tmp = out / f".{name}.json.tmp"
-    tmp.write_text(json.dumps({test: dict(ev) for test, ev in _events.items()}))
-    tmp.replace(out / f"{name}.json")
+    write_json_atomic(out / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.json",
+                      {test: dict(ev) for test, ev in _events.items()})
 
 
 # ------------------------------------------------------------------------------------------------------------ summary
@@ -73,12 +73,10 @@ def summarize(folder: pathlib.Path, top: int) -> str:
     files = sorted(folder.glob("*.json"))
     if not files:
         raise SystemExit(f"pytest_jax_time: no <worker>.json in {str(folder)!r} (run pytest with the plugin first)")
-    per_test: dict = {}
-    for f in files:
-        per_test.update(json.loads(f.read_text()))
     totals: dict = collections.defaultdict(lambda: [0, 0.0])
     per_file: dict = collections.defaultdict(lambda: [0, 0.0, 0, 0.0])
-    for test, events in per_test.items():
+    # summed over the processes' files: "(outside any test)" is in each of them
+    for test, events in ((t, ev) for f in files for t, ev in json.loads(f.read_text()).items()):
         for event, (n, s, n_small, s_small) in events.items():
             totals[event][0] += n
             totals[event][1] += s

@@ -201,10 +201,6 @@ def check(
             if on_check is not None and len(checks) < len(specs):
                 on_check(report("incomplete"))
 
-    def compare_golden():
-        base = runner.base_control()
-        return None if base is None else golden_lib.compare_with_golden(config, base[0], tols, golden_dir=golden_dir)
-
     stopped = False
     try:
         if on_check is not None:
@@ -223,7 +219,8 @@ def check(
                 explain_last()
         if profile is not None:
             profile.extend(runner.profile)
-        gold = compare_golden()
+        base = runner.base_control()
+        gold = None if base is None else golden_lib.compare_with_golden(config, base[0], tols, golden_dir=golden_dir)
     except KeyboardInterrupt:
         raise Interrupted(report("interrupted")) from None
     return report("stopped" if stopped else "complete", gold)
