@@ -5,7 +5,8 @@ summary per test file.
     python benchmarks/pytest_jax_time.py DIR [--top 25]
 
 The plugin registers a ``jax.monitoring`` duration listener in each test process (xdist's workers too) and charges
-every event to the test that was running: XLA's backend compile (a miss of the persistent compilation cache), tracing
+every event to the test that was running (before the first test: "(outside any test)"; after a test, until the next
+starts: that test): XLA's backend compile (a miss of the persistent compilation cache), tracing
 to a jaxpr, lowering to StableHLO, and the cache's hits. Each process writes ``DIR/<worker>.json`` when it ends. The
 summary prints, per event, the count and seconds over the whole run, then per file the backend compiles: their number
 and seconds, and how many of them took under 0.5 s and their seconds (the small programs: a jitted helper, an eager
